@@ -1,0 +1,33 @@
+# Two commands: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: test demo lint env clean
+
+env: $(STAMP)
+
+# torch first: the pinned CPU wheel; then the project, whose torch range 2.13.0 satisfies.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+demo: $(STAMP)
+	$(VENV)/bin/fedpeft run configs/demo_sst2_lora.yaml --run-dir runs/demo --plot
+
+clean:
+	rm -rf $(VENV) runs

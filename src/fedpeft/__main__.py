@@ -1,0 +1,7 @@
+"""``python -m fedpeft`` is the ``fedpeft`` command."""
+
+import sys
+
+from fedpeft.cli import main
+
+sys.exit(main())

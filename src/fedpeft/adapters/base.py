@@ -1,0 +1,70 @@
+"""The adapter interface: what part of a backbone is trainable, and how it gets there.
+
+An adapter modifies the model in place (injects modules, rewrites frozen weights) and leaves
+``requires_grad=True`` exactly on the parameters that clients train and exchange. Everything
+else about the federated round (selection, codec, aggregation) is the recipe's business.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from fedpeft.config import AdapterConfig, ConfigError
+from fedpeft.models.backbone import Backbone
+
+HEAD_MODULE_NAMES = ("classifier", "score", "qa_outputs")
+
+
+class Adapter(ABC):
+    """Base class. Subclasses set ``kind`` and implement :meth:`inject`."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, cfg: AdapterConfig) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def inject(self, backbone: Backbone) -> None:
+        """Modify ``backbone.model`` in place and set ``requires_grad`` on the trainable parameters."""
+
+    def apply(self, backbone: Backbone) -> None:
+        """Freeze everything, inject, then unfreeze the task head if configured."""
+        for param in backbone.model.parameters():
+            param.requires_grad_(False)
+        self.inject(backbone)
+        if self.cfg.train_head:
+            for _, param in head_parameters(backbone.model):
+                param.requires_grad_(True)
+
+
+def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of the task head (``classifier``/``score``/``qa_outputs`` at top level)."""
+    return [(n, p) for n, p in model.named_parameters() if n.split(".")[0] in HEAD_MODULE_NAMES]
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, param in model.named_parameters() if param.requires_grad]
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of the trainable parameters: the state clients and server exchange."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+ADAPTERS: dict[str, type[Adapter]] = {}
+
+
+def register_adapter(cls: type[Adapter]) -> type[Adapter]:
+    ADAPTERS[cls.kind] = cls
+    return cls
+
+
+def build_adapter(cfg: AdapterConfig) -> Adapter:
+    if cfg.kind not in ADAPTERS:
+        raise ConfigError("adapter.kind", f"unknown adapter {cfg.kind!r}; allowed: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[cfg.kind](cfg)
+

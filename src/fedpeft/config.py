@@ -1,0 +1,311 @@
+"""Experiment configuration: pydantic models, YAML loading and ``--set`` overrides.
+
+An experiment is ``task + partition + model + adapter + client + strategy + codec + engine +
+evaluation + output``. A ``method`` names a recipe (see :mod:`fedpeft.recipes`) whose defaults
+sit under the user's values: the user's YAML always wins. Every value is validated before any
+training starts; a bad value raises :class:`ConfigError` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. ``field`` is the dotted path of the offending value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Density = Annotated[float, Field(gt=0, le=1)]
+
+
+class TaskConfig(_Strict):
+    """Which data and what it means.
+
+    ``name`` is a built-in task (``sst2``, ``mnli``, ``20newsgroups``, ...), ``file`` for a
+    user's own files described by the fields below, or ``hf`` for a Hugging Face dataset id.
+    """
+
+    name: str = "sst2"
+    data_dir: str | None = None
+    eval_split: str | None = None
+    max_train_examples: PositiveInt | None = None
+    max_eval_examples: PositiveInt | None = None
+    max_length: PositiveInt = 128
+    strip_newsgroup_metadata: bool = True
+    # generic file / hf tasks
+    train_file: str | None = None
+    eval_file: str | None = None
+    format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet"] = "auto"
+    header: bool = True
+    text_columns: list[str | int] = Field(default_factory=list)
+    text_pair_columns: list[str | int] = Field(default_factory=list)
+    join_with: str = " "
+    label_column: str | int | None = None
+    label_names: list[str] | None = None
+    label_map: dict[str, int] | None = None
+    problem_type: Literal["classification", "regression", "multiple_choice"] | None = None
+    metrics: list[str] | None = None
+    group_column: str | int | None = None
+    hf_dataset: str | None = None
+    hf_config: str | None = None
+    hf_train_split: str = "train"
+    hf_eval_split: str = "validation"
+
+
+class PartitionConfig(_Strict):
+    """How the training set is split across clients (deterministic for ``seed``)."""
+
+    kind: Literal["iid", "dirichlet", "quantity_skew", "label_proportions", "natural"] = "iid"
+    num_clients: PositiveInt = 10
+    alpha: PositiveFloat = 0.5
+    label_proportions: list[list[float]] | None = None
+    min_examples_per_client: PositiveInt = 1
+    seed: int | None = None
+
+
+class ModelConfig(_Strict):
+    """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``."""
+
+    name: str = "minilm"
+    head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice"] = "auto"
+    tokenizer: str | None = None
+    attn_implementation: str | None = None
+    tiny_hidden_size: PositiveInt = 32
+    tiny_layers: PositiveInt = 2
+    tiny_heads: PositiveInt = 4
+
+
+class AdapterConfig(_Strict):
+    """What is trainable. ``kind`` names a registered adapter; extra fields are adapter-specific."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    kind: str = "lora"
+    r: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[str] | None = None
+    init: str = "gaussian"
+    train_head: bool = True
+
+
+class ClientConfig(_Strict):
+    """Local training on a client's shard. Optimizer state is reset every round."""
+
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: PositiveFloat = 0.01
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    local_epochs: PositiveInt = 1
+    local_steps: PositiveInt | None = None
+    batch_size: PositiveInt = 16
+    grad_clip: PositiveFloat | None = None
+
+
+class StrategyConfig(_Strict):
+    """Server side: selection, aggregation and the server optimizer."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = "fedavg"
+    selection: str = "uniform"
+    clients_per_round: PositiveInt | None = None
+    fraction: Density | None = None
+    min_clients: PositiveInt = 1
+    server_lr: PositiveFloat = 1.0
+    server_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
+    tau: PositiveFloat = 1e-3
+    proximal_mu: Annotated[float, Field(ge=0)] = 0.0
+
+
+class DirectionCodecConfig(_Strict):
+    """How one direction (down or up) is encoded."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    kind: str = "dense"
+    dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    density: Density = 1.0
+
+
+class CodecConfig(_Strict):
+    down: DirectionCodecConfig = Field(default_factory=DirectionCodecConfig)
+    up: DirectionCodecConfig = Field(default_factory=DirectionCodecConfig)
+
+
+class EngineConfig(_Strict):
+    kind: Literal["local", "torchrun", "flower"] = "local"
+    threads: PositiveInt | None = None
+    measure_flops: Literal["first_round", "every_round", "never"] = "first_round"
+
+
+class EvaluationConfig(_Strict):
+    every: PositiveInt = 1
+    batch_size: PositiveInt = 64
+    per_client: bool = False
+    at_start: bool = False
+
+
+class OutputConfig(_Strict):
+    run_dir: str | None = None
+    checkpoint_every: PositiveInt = 1
+    progress: bool = True
+
+
+class ExperimentConfig(_Strict):
+    """A whole experiment. ``method`` picks a recipe; ``rounds`` federated rounds from ``seed``."""
+
+    method: str = "lora"
+    seed: int = 0
+    rounds: PositiveInt = 10
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    codec: CodecConfig = Field(default_factory=CodecConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        from fedpeft.recipes import RECIPES
+
+        if value not in RECIPES:
+            raise ValueError(f"unknown method {value!r}; allowed: {', '.join(sorted(RECIPES))}")
+        return value
+
+    @model_validator(mode="after")
+    def _participation(self) -> ExperimentConfig:
+        if self.strategy.clients_per_round is not None and self.strategy.fraction is not None:
+            raise ConfigError("strategy.fraction", "set clients_per_round or fraction, not both")
+        k = self.clients_per_round()
+        if k > self.partition.num_clients:
+            raise ConfigError(
+                "strategy.clients_per_round", f"{k} exceeds partition.num_clients ({self.partition.num_clients})"
+            )
+        if self.strategy.min_clients > k:
+            raise ConfigError("strategy.min_clients", f"{self.strategy.min_clients} exceeds the {k} sampled per round")
+        return self
+
+    def clients_per_round(self) -> int:
+        """Number of clients sampled each round (all of them in cross-silo mode)."""
+        n = self.partition.num_clients
+        if self.strategy.selection == "all":
+            return n
+        if self.strategy.clients_per_round is not None:
+            return self.strategy.clients_per_round
+        if self.strategy.fraction is not None:
+            return max(1, round(self.strategy.fraction * n))
+        return n
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse ``a.b.c=value``; the value is read as YAML (numbers, bools, lists, null)."""
+    if "=" not in item:
+        raise ConfigError("--set", f"expected KEY=VALUE with a dotted key, got {item!r}")
+    key, raw = item.split("=", 1)
+    path = [part for part in key.strip().split(".") if part]
+    if not path:
+        raise ConfigError("--set", f"empty key in {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"cannot parse value {raw!r}: {err}") from err
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    result = copy.deepcopy(raw)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = result
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(path), f"{part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return result
+
+
+def _format_validation_error(err: ValidationError) -> ConfigError:
+    first = err.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):
+        return ConfigError(cause.field, str(cause).removeprefix(f"{cause.field}: "))
+    field = ".".join(str(p) for p in first["loc"]) or "config"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown field"
+    elif first["type"] == "literal_error":
+        message = f"{message} (got {first.get('input')!r})"
+    more = len(err.errors()) - 1
+    if more:
+        message += f" (and {more} more error{'s' if more > 1 else ''})"
+    return ConfigError(field, message)
+
+
+def build_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """Merge the recipe's defaults under ``raw`` and validate."""
+    from fedpeft.recipes import RECIPES
+
+    method = raw.get("method", "lora")
+    if not isinstance(method, str) or method not in RECIPES:
+        raise ConfigError("method", f"unknown method {method!r}; allowed: {', '.join(sorted(RECIPES))}")
+    merged = _deep_merge(RECIPES[method].defaults, raw)
+    merged["method"] = method
+    try:
+        return ExperimentConfig.model_validate(merged)
+    except ValidationError as err:
+        raise _format_validation_error(err) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment file (or start empty), apply ``--set`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config", f"file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("config", f"{path} must hold a mapping at top level")
+        raw = loaded
+    return build_config(apply_overrides(raw, overrides or []))

@@ -1,0 +1,172 @@
+"""The local engine: every client in one process, one frozen backbone, states swapped in and out.
+
+A round: the method selects clients and configures their tasks; each task's payload is encoded
+with the down codec (bytes counted), decoded, trained on by the client, and its update encoded
+with the up codec (bytes counted) and decoded for the server; the method aggregates; the global
+state is evaluated every ``evaluation.every`` rounds; the round is recorded and checkpointed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedpeft.experiment import Experiment, evaluate
+from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.metrics.recorder import Recorder, resume_fingerprint
+from fedpeft.seeding import derive_seed, rng_for
+
+
+@dataclass
+class ClientRun:
+    """One client's round as the wire saw it."""
+
+    result: ClientResult
+    bytes_down: int
+    bytes_up: int
+    codec_seconds: float
+    compute_seconds: float
+    step_seconds: float
+    flops_per_step: int | None
+
+
+def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: bool) -> ClientRun:
+    """Encode down, train, encode up. Shared by every engine's client side."""
+    t0 = time.perf_counter()
+    message = exp.down_codec.encode(task.payload)
+    task.payload = exp.down_codec.decode(message)
+    codec_seconds = time.perf_counter() - t0
+    missing = [k for k in exp.slot.trainable if k not in task.payload]
+    if missing:
+        exp.slot.load({k: exp.initial_state[k] for k in missing})
+    seed = derive_seed(exp.cfg.seed, "client", round_idx, task.client_id)
+    shard = exp.shards[task.client_id]
+    result, stats = exp.algorithm.client_update(exp.slot, exp.train_data, shard, task, seed, count_flops)
+    t0 = time.perf_counter()
+    up_message = exp.up_codec.encode(result.update)
+    result.update = exp.up_codec.decode(up_message)
+    codec_seconds += time.perf_counter() - t0
+    return ClientRun(result, len(message), len(up_message), codec_seconds, stats.total_seconds,
+                     stats.step_seconds, stats.flops_per_step)
+
+
+class LocalEngine:
+    def __init__(self, exp: Experiment, run_dir: Path, console: Console | None = None) -> None:
+        self.exp = exp
+        self.recorder = Recorder(run_dir)
+        self.console = console or Console()
+        self.flops_per_step: int | None = None
+        self.checkpoint_seconds = 0.0
+
+    def _count_flops(self, round_idx: int, first_round: int) -> bool:
+        mode = self.exp.cfg.engine.measure_flops
+        return mode == "every_round" or (mode == "first_round" and round_idx == first_round)
+
+    def run_round(self, round_idx: int, global_state: State, first_round: int) -> tuple[State, dict[str, Any]]:
+        exp, cfg = self.exp, self.exp.cfg
+        t_round = time.perf_counter()
+        clients = exp.algorithm.select(round_idx, rng_for(cfg.seed, "select", round_idx))
+        tasks = exp.algorithm.configure_train(round_idx, clients, global_state)
+        count_flops = self._count_flops(round_idx, first_round)
+        runs = [run_client(exp, task, round_idx, count_flops and i == 0) for i, task in enumerate(tasks)]
+        results = [r.result for r in runs]
+
+        t0 = time.perf_counter()
+        new_state = exp.algorithm.aggregate(round_idx, global_state, results)
+        aggregation_seconds = time.perf_counter() - t0
+
+        eval_metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if round_idx % cfg.evaluation.every == 0 or round_idx == cfg.rounds:
+            eval_metrics = evaluate(exp.slot, exp.eval_data, exp.task, new_state, cfg.evaluation.batch_size)
+        client_eval = {}
+        if cfg.evaluation.per_client:
+            for c in clients:
+                client_eval[str(c)] = evaluate(exp.slot, exp.train_data, exp.task, new_state,
+                                               cfg.evaluation.batch_size, exp.shards[c])
+        evaluation_seconds = time.perf_counter() - t0
+        exp.algorithm.observe(round_idx, results, eval_metrics)
+
+        flops = next((r.flops_per_step for r in runs if r.flops_per_step is not None), None)
+        if flops is not None:
+            self.flops_per_step = flops
+        record: dict[str, Any] = {
+            "round": round_idx,
+            "clients": [int(c) for c in clients],
+            "num_samples": [r.num_samples for r in results],
+            "train_loss": float(np.average([r.train_loss for r in results], weights=[r.num_samples for r in results])),
+            "client_losses": [r.train_loss for r in results],
+            "eval": eval_metrics,
+            "bytes_down": [r.bytes_down for r in runs],
+            "bytes_up": [r.bytes_up for r in runs],
+            "trainable_params": exp.trainable_params,
+            "client_flops_per_step": self.flops_per_step,
+            "time": {
+                "client_compute": sum(r.compute_seconds for r in runs),
+                "train_steps": sum(r.step_seconds for r in runs),
+                "codec": sum(r.codec_seconds for r in runs),
+                "aggregation": aggregation_seconds,
+                "evaluation": evaluation_seconds,
+            },
+            "method": exp.algorithm.round_metrics(round_idx, new_state),
+        }
+        if client_eval:
+            record["client_eval"] = client_eval
+        record["time"]["round"] = time.perf_counter() - t_round
+        return new_state, record
+
+    def run(self, resume: bool = False, on_round: Callable[[dict[str, Any]], None] | None = None
+            ) -> list[dict[str, Any]]:
+        exp, cfg = self.exp, self.exp.cfg
+        global_state = exp.initial_state
+        start = 1
+        totals = {"bytes_down": 0, "bytes_up": 0, "wall_seconds": 0.0}
+        if resume:
+            ckpt = self.recorder.resume(cfg)
+            global_state = ckpt["global_state"]
+            exp.algorithm.load_state_dict(ckpt["algorithm"])
+            totals = dict(ckpt["totals"])
+            self.flops_per_step = ckpt.get("client_flops_per_step")
+            start = int(ckpt["round"]) + 1
+        else:
+            self.recorder.start(cfg)
+        fingerprint = resume_fingerprint(cfg)
+
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=self.console, disable=not cfg.output.progress)
+        with progress:
+            bar = progress.add_task("rounds", total=cfg.rounds, completed=start - 1)
+            for round_idx in range(start, cfg.rounds + 1):
+                global_state, record = self.run_round(round_idx, global_state, start)
+                totals["bytes_down"] += sum(record["bytes_down"])
+                totals["bytes_up"] += sum(record["bytes_up"])
+                totals["wall_seconds"] += record["time"]["round"]
+                record["cum_bytes_down"] = totals["bytes_down"]
+                record["cum_bytes_up"] = totals["bytes_up"]
+                record["cum_wall_seconds"] = totals["wall_seconds"]
+                self.recorder.append(record)
+                if round_idx % cfg.output.checkpoint_every == 0 or round_idx == cfg.rounds:
+                    t0 = time.perf_counter()
+                    self.recorder.save_checkpoint({
+                        "round": round_idx,
+                        "global_state": global_state,
+                        "algorithm": exp.algorithm.state_dict(),
+                        "totals": totals,
+                        "client_flops_per_step": self.flops_per_step,
+                        "fingerprint": fingerprint,
+                    })
+                    self.checkpoint_seconds += time.perf_counter() - t0
+                metric = record["eval"].get(exp.task.primary_metric)
+                shown = f" {exp.task.primary_metric}={metric:.4f}" if metric is not None else ""
+                progress.update(bar, advance=1, description=f"round {round_idx} loss={record['train_loss']:.4f}{shown}")
+                if on_round is not None:
+                    on_round(record)
+        self.final_state = global_state
+        return self.recorder.records

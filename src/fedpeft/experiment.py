@@ -1,0 +1,104 @@
+"""Turn a validated config into everything an engine needs, failing early on bad input.
+
+``prepare`` loads the task, partitions it, builds the backbone and adapter, tokenizes once,
+and builds the method's algorithm and codecs. Anything wrong with the data (missing file,
+unknown label, more clients than examples) raises :class:`ConfigError` here, before training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fedpeft.adapters
+import fedpeft.methods  # noqa: F401  (registers the methods' algorithms, codecs, selectors)
+from fedpeft.adapters.base import build_adapter, trainable_names
+from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.data.partition import partition_indices
+from fedpeft.data.tasks import load_task, resolve_data_dir
+from fedpeft.data.types import TaskData
+from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
+from fedpeft.federated.client import ModelSlot
+from fedpeft.federated.codec import Codec, build_codec
+from fedpeft.federated.types import State
+from fedpeft.metrics.task_metrics import compute_metrics
+from fedpeft.models.backbone import Backbone, load_backbone
+from fedpeft.models.encoding import EncodedData, encode_examples, predict
+from fedpeft.recipes import RECIPES
+
+
+@dataclass
+class Experiment:
+    cfg: ExperimentConfig
+    task: TaskData
+    shards: list[np.ndarray]
+    backbone: Backbone
+    slot: ModelSlot
+    train_data: EncodedData
+    eval_data: EncodedData
+    algorithm: Algorithm
+    down_codec: Codec
+    up_codec: Codec
+    initial_state: State
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(t.numel() for t in self.initial_state.values())
+
+
+def load_data(cfg: ExperimentConfig, data_dir: str | None = None) -> tuple[TaskData, list[np.ndarray]]:
+    """The task and its client shards (no model needed: used by ``fedpeft data`` too)."""
+    root: Path | None = None
+    if cfg.task.name == "file":
+        try:  # a file task may use absolute paths and need no data folder
+            root = resolve_data_dir(data_dir or cfg.task.data_dir)
+        except ConfigError:
+            root = None
+    elif cfg.task.name != "hf":
+        root = resolve_data_dir(data_dir or cfg.task.data_dir)
+    task = load_task(cfg.task, root)
+    labels = [ex.label for ex in task.train]
+    groups = [ex.group for ex in task.train]
+    seed = cfg.partition.seed if cfg.partition.seed is not None else cfg.seed
+    shards = partition_indices(labels, cfg.partition, seed, groups)
+    return task, shards
+
+
+def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
+    if cfg.engine.threads:
+        torch.set_num_threads(cfg.engine.threads)
+    task, shards = load_data(cfg, data_dir)
+    backbone = load_backbone(cfg.model, task, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    build_adapter(cfg.adapter).apply(backbone)
+    slot = ModelSlot(backbone.model, trainable_names(backbone.model))
+    train_data = encode_examples(task.train, backbone.tokenizer, backbone.head, task, cfg.task.max_length)
+    eval_data = encode_examples(task.eval, backbone.tokenizer, backbone.head, task, cfg.task.max_length)
+    ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=shards, train_data=train_data)
+    algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
+    initial_state = algorithm.initial_state(slot.read())
+    return Experiment(
+        cfg=cfg, task=task, shards=shards, backbone=backbone, slot=slot, train_data=train_data,
+        eval_data=eval_data, algorithm=algorithm, down_codec=build_codec(cfg.codec.down, "down"),
+        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state,
+    )
+
+
+def evaluate(slot: ModelSlot, data: EncodedData, task: TaskData, state: State, batch_size: int,
+             indices: Sequence[int] | None = None) -> dict[str, float]:
+    """Load ``state`` and compute the task's metrics on ``data`` (all of it, or ``indices``)."""
+    slot.load(state)
+    slot.model.eval()
+    order = list(range(len(data))) if indices is None else [int(i) for i in indices]
+    preds = [predict(slot.model, data, order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
+    predictions = torch.cat(preds).numpy()
+    references = np.asarray([data.labels[i] for i in order])
+    return compute_metrics(task.metrics, predictions, references)
+
+
+def default_run_dir(cfg: ExperimentConfig) -> Path:
+    return Path("runs") / f"{cfg.method}_{cfg.task.name}_s{cfg.seed}"

@@ -1,0 +1,94 @@
+"""The round logic of a method: select, configure clients, train locally, aggregate.
+
+:class:`Algorithm` is the FedAvg-family default (the global trainable state goes down, client
+updates come up, the configured strategy aggregates). A method that needs more (masks,
+frozen factors, head pruning, control variates) subclasses it and registers under a name that
+its recipe refers to; engines only ever call these hooks, so they never know the method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.data.types import TaskData
+from fedpeft.federated.client import ModelSlot, TrainStats, train_client
+from fedpeft.federated.selection import build_selector
+from fedpeft.federated.strategy import build_strategy
+from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.models.backbone import Backbone
+from fedpeft.models.encoding import EncodedData
+
+
+@dataclass
+class MethodContext:
+    """What a method may look at when it is built: the model, the task and the shards."""
+
+    backbone: Backbone
+    slot: ModelSlot
+    task: TaskData
+    shards: Sequence[np.ndarray]
+    train_data: EncodedData
+
+
+class Algorithm:
+    """FedAvg-family round logic; subclass and override hooks for a method's specifics."""
+
+    name: ClassVar[str] = "default"
+
+    def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.strategy = build_strategy(cfg.strategy)
+        self.selector = build_selector(cfg.strategy.selection, cfg.partition.num_clients)
+
+    def initial_state(self, state: State) -> State:
+        """The global state before round 1 (the adapter's initialisation by default)."""
+        return state
+
+    def select(self, round_idx: int, rng: np.random.Generator) -> list[int]:
+        return self.selector.select(round_idx, self.cfg.clients_per_round(), rng)
+
+    def configure_train(self, round_idx: int, clients: Sequence[int], global_state: State) -> list[ClientTask]:
+        config = self.strategy.client_config()
+        return [ClientTask(client_id=c, payload=global_state, config=dict(config)) for c in clients]
+
+    def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
+                      seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
+        """Runs on the client (in whichever engine): local training by default."""
+        return train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+
+    def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
+        return self.strategy.aggregate(global_state, results)
+
+    def observe(self, round_idx: int, results: Sequence[ClientResult], eval_metrics: dict[str, float]) -> None:
+        self.selector.observe(round_idx, results, eval_metrics)
+
+    def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
+        """Method-specific values logged with the round (densities, active factors, ...)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.state_dict(), "selector": self.selector.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.load_state_dict(state.get("strategy", {}))
+        self.selector.load_state_dict(state.get("selector", {}))
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {"default": Algorithm}
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def build_algorithm(name: str, cfg: ExperimentConfig, ctx: MethodContext) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ConfigError("method", f"recipe {cfg.method!r} needs algorithm {name!r}, which is not registered")
+    return ALGORITHMS[name](cfg, ctx)

@@ -1,0 +1,138 @@
+"""Local training on one client's shard.
+
+There is one model in memory (:class:`ModelSlot`); a client's state is loaded into it, trained
+and read back out, so memory does not grow with the number of clients. The optimizer is built
+fresh for every client and round (its state is reset), as the papers' clients do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedpeft.config import ClientConfig
+from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.models.encoding import EncodedData, training_batch
+
+
+class ModelSlot:
+    """The shared model plus fast access to its parameters by name."""
+
+    def __init__(self, model: nn.Module, trainable: Sequence[str]) -> None:
+        self.model = model
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        self.trainable = list(trainable)
+
+    @torch.no_grad()
+    def load(self, state: State) -> None:
+        for key, value in state.items():
+            self.params[key].copy_(value)
+
+    def read(self, keys: Sequence[str] | None = None) -> State:
+        return {k: self.params[k].detach().clone() for k in (self.trainable if keys is None else keys)}
+
+    def set_trainable(self, keys: Sequence[str] | frozenset[str] | None) -> list[nn.Parameter]:
+        """Enable gradients on ``keys`` (default: all trainable), disable on the other trainable ones."""
+        active = set(self.trainable if keys is None else keys)
+        for name in self.trainable:
+            self.params[name].requires_grad_(name in active)
+        return [self.params[n] for n in self.trainable if n in active]
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: ClientConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    lr = cfg.lr if lr is None else lr
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def batches(num_examples: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[list[int]]:
+    """``steps`` mini-batches of local positions, reshuffling at each pass over the shard."""
+    produced = 0
+    while produced < steps:
+        order = torch.randperm(num_examples, generator=generator).tolist()
+        for start in range(0, num_examples, batch_size):
+            yield order[start : start + batch_size]
+            produced += 1
+            if produced == steps:
+                return
+
+
+def local_steps(num_examples: int, cfg: ClientConfig) -> int:
+    if cfg.local_steps is not None:
+        return cfg.local_steps
+    return cfg.local_epochs * math.ceil(num_examples / cfg.batch_size)
+
+
+@dataclass
+class TrainStats:
+    """Where a client's time went: ``step_seconds`` is forward + backward + optimizer only."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    total_seconds: float = 0.0
+    flops_per_step: int | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask, cfg: ClientConfig,
+                 seed: int, count_flops: bool = False) -> tuple[ClientResult, TrainStats]:
+    """Load ``task.payload``, train on ``shard``, return the update of the upload keys."""
+    start_time = time.perf_counter()
+    slot.load(task.payload)
+    params = slot.set_trainable(task.train_keys)
+    train_names = [n for n in slot.trainable if slot.params[n].requires_grad]
+    upload = sorted(task.upload_keys if task.upload_keys is not None else train_names)
+    start = slot.read(sorted(set(upload) | set(train_names)))
+    optimizer = build_optimizer(params, cfg, task.config.get("lr"))
+    mu = float(task.config.get("proximal_mu", 0.0))
+    anchors = [start[n] for n in train_names] if mu > 0 else []
+
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    stats = TrainStats()
+    slot.model.train()
+    steps = int(task.config.get("local_steps") or local_steps(len(shard), cfg))
+    for positions in batches(len(shard), cfg.batch_size, steps, generator):
+        batch = training_batch(data, [int(shard[p]) for p in positions])
+        counter = FlopCounterMode(display=False) if count_flops and stats.steps == 0 else None
+        t0 = time.perf_counter()
+        with counter if counter is not None else nullcontext():
+            loss = slot.model(**batch).loss
+            objective = loss
+            if mu > 0:
+                objective = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
+            optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+        if cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        stats.step_seconds += time.perf_counter() - t0
+        if counter is not None:
+            stats.flops_per_step = int(counter.get_total_flops())
+        stats.losses.append(float(loss.detach()))
+        stats.steps += 1
+
+    with torch.no_grad():
+        update = {k: slot.params[k].detach() - start[k] for k in upload}
+    slot.set_trainable(None)
+    stats.total_seconds = time.perf_counter() - start_time
+    result = ClientResult(
+        client_id=task.client_id,
+        update=update,
+        num_samples=len(shard),
+        train_loss=float(np.mean(stats.losses)) if stats.losses else float("nan"),
+        metrics={"steps": float(stats.steps)},
+    )
+    return result, stats
+

@@ -1,0 +1,15 @@
+"""Server strategies, one file each. Importing this package registers them all."""
+
+from fedpeft.federated.strategy import fedadagrad, fedadam, fedavg, fedavgm, fedprox, fedyogi
+from fedpeft.federated.strategy.base import (
+    STRATEGIES,
+    Strategy,
+    build_strategy,
+    register_strategy,
+    weighted_mean,
+)
+
+__all__ = [
+    "STRATEGIES", "Strategy", "build_strategy", "fedadagrad", "fedadam", "fedavg", "fedavgm", "fedprox",
+    "fedyogi", "register_strategy", "weighted_mean",
+]

@@ -1,0 +1,70 @@
+"""Server strategies: aggregate client updates into a pseudo-gradient and step the global state.
+
+A strategy sees a list of :class:`ClientResult` (updates = local minus start) and returns the
+new global state. Aggregation is per key over the clients that sent that key, so partial
+uploads (RoLoRA, FedTT+, sparse codecs) need no special case. Keys nobody sent stay as they are.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from fedpeft.config import ConfigError, StrategyConfig
+from fedpeft.federated.types import ClientResult, State
+
+
+def weighted_mean(updates: Sequence[State], weights: Sequence[float]) -> State:
+    """Per-key mean of ``updates`` weighted by ``weights``, over the updates holding the key."""
+    totals: dict[str, torch.Tensor] = {}
+    mass: dict[str, float] = {}
+    for update, weight in zip(updates, weights, strict=True):
+        for key, value in update.items():
+            scaled = value.to(torch.float32) * weight
+            totals[key] = totals[key] + scaled if key in totals else scaled
+            mass[key] = mass.get(key, 0.0) + weight
+    return {key: total / mass[key] for key, total in totals.items()}
+
+
+class Strategy(ABC):
+    """Aggregation (sample-weighted mean, Eq. 1 of McMahan et al.) followed by a server step."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: StrategyConfig) -> None:
+        self.cfg = cfg
+
+    def client_config(self) -> dict[str, Any]:
+        """Extra instructions every client gets with its task (e.g. FedProx's mu)."""
+        return {}
+
+    def aggregate(self, global_state: State, results: Sequence[ClientResult]) -> State:
+        delta = weighted_mean([r.update for r in results], [float(r.num_samples) for r in results])
+        return self.step(global_state, delta)
+
+    @abstractmethod
+    def step(self, global_state: State, delta: State) -> State:
+        """Apply the averaged update ``delta`` (a pseudo-gradient pointing downhill) to the state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def build_strategy(cfg: StrategyConfig) -> Strategy:
+    if cfg.name not in STRATEGIES:
+        raise ConfigError("strategy.name", f"unknown strategy {cfg.name!r}; allowed: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[cfg.name](cfg)

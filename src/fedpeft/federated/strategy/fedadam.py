@@ -1,0 +1,16 @@
+"""FedAdam: v <- beta2 v + (1 - beta2) delta^2 (Reddi et al., 2021)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedpeft.federated.strategy.base import register_strategy
+from fedpeft.federated.strategy.fedopt import FedOpt
+
+
+@register_strategy
+class FedAdam(FedOpt):
+    name = "fedadam"
+
+    def second_moment(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.cfg.beta2 * v + (1 - self.cfg.beta2) * delta * delta

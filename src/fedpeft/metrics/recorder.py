@@ -1,0 +1,125 @@
+"""Run directory: ``config.yaml``, ``metrics.jsonl`` (one line per round) and ``checkpoint.pt``.
+
+Every file is written atomically (temp file in the same folder, fsync, ``os.replace``), so a
+crash never leaves a half-written checkpoint or metrics file. The metrics line of round t is
+written before the checkpoint of round t; on resume, lines after the checkpoint's round are
+dropped, so the file always matches the state the run continues from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from fedpeft.config import ConfigError, ExperimentConfig
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+SUMMARY = "summary.json"
+
+
+class CheckpointError(RuntimeError):
+    """The run directory cannot be resumed (missing, corrupt or from another experiment)."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def resume_fingerprint(cfg: ExperimentConfig) -> str:
+    """Hash of everything that must match to continue a run (not ``rounds`` or ``output``)."""
+    raw = cfg.model_dump(mode="json")
+    raw.pop("rounds")
+    raw.pop("output")
+    raw["engine"].pop("threads", None)
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+
+
+class Recorder:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.records: list[dict[str, Any]] = []
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / CHECKPOINT
+
+    def check_new(self) -> None:
+        """Refuse to overwrite a run directory that already holds a run."""
+        if (self.run_dir / METRICS).exists() or self.checkpoint_path.exists():
+            raise ConfigError("output.run_dir", f"{self.run_dir} already holds a run; use --resume or another dir")
+
+    def start(self, cfg: ExperimentConfig) -> None:
+        self.check_new()
+        atomic_write_bytes(self.run_dir / CONFIG, cfg.to_yaml().encode())
+        atomic_write_bytes(self.run_dir / METRICS, b"")
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        payload = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records)
+        atomic_write_bytes(self.run_dir / METRICS, payload.encode())
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        atomic_write_bytes(self.checkpoint_path, buffer.getvalue())
+
+    def resume(self, cfg: ExperimentConfig) -> dict[str, Any]:
+        """Load the checkpoint, check it belongs to ``cfg``, and trim metrics to its round."""
+        if not self.checkpoint_path.exists():
+            raise CheckpointError(f"no checkpoint in {self.run_dir}: nothing to resume")
+        try:
+            state = torch.load(self.checkpoint_path, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"corrupt checkpoint {self.checkpoint_path}: {err}") from err
+        if not isinstance(state, dict) or "round" not in state:
+            raise CheckpointError(f"{self.checkpoint_path} is not a fedpeft checkpoint")
+        if state.get("fingerprint") != resume_fingerprint(cfg):
+            saved = self.run_dir / CONFIG
+            raise CheckpointError(
+                f"{self.checkpoint_path} was written by a different experiment config than the one given "
+                f"(compare with {saved}); only rounds and output.* may change on resume"
+            )
+        self.records = [r for r in load_metrics(self.run_dir) if r["round"] <= state["round"]]
+        payload = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records)
+        atomic_write_bytes(self.run_dir / METRICS, payload.encode())
+        atomic_write_bytes(self.run_dir / CONFIG, cfg.to_yaml().encode())
+        return state
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_bytes(self.run_dir / SUMMARY, json.dumps(summary, indent=2, sort_keys=True).encode())
+
+
+def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            records.append(json.loads(line))
+    return records
+
+
+def load_run_config(run_dir: Path) -> dict[str, Any]:
+    return yaml.safe_load((Path(run_dir) / CONFIG).read_text())

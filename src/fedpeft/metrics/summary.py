@@ -1,0 +1,79 @@
+"""Summaries of a finished run: best/final metric, bytes, time; a table and a PNG plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
+    evaluated = [r for r in records if metric in r.get("eval", {})]
+    best = max(evaluated, key=lambda r: r["eval"][metric]) if evaluated else None
+    last = records[-1] if records else {}
+    return {
+        "metric": metric,
+        "rounds": len(records),
+        "best_metric": best["eval"][metric] if best else None,
+        "best_round": best["round"] if best else None,
+        "final_metric": evaluated[-1]["eval"][metric] if evaluated else None,
+        "total_bytes_down": last.get("cum_bytes_down", 0),
+        "total_bytes_up": last.get("cum_bytes_up", 0),
+        "wall_seconds": last.get("cum_wall_seconds", 0.0),
+        "trainable_params": last.get("trainable_params"),
+        "client_flops_per_step": last.get("client_flops_per_step"),
+    }
+
+
+def rounds_table(records: list[dict[str, Any]], metric: str, title: str) -> Table:
+    table = Table(title=title)
+    for column in ("round", "clients", "train loss", metric, "down/client", "up/client", "round time"):
+        table.add_column(column, justify="right")
+    for r in records:
+        value = r["eval"].get(metric)
+        n = max(len(r["clients"]), 1)
+        table.add_row(
+            str(r["round"]), str(len(r["clients"])), f"{r['train_loss']:.4f}",
+            "" if value is None else f"{value:.4f}",
+            human_bytes(sum(r["bytes_down"]) / n), human_bytes(sum(r["bytes_up"]) / n),
+            f"{r['time']['round']:.1f} s",
+        )
+    return table
+
+
+def plot_metric(records: list[dict[str, Any]], metric: str, path: Path, title: str) -> Path:
+    """PNG of the eval metric per round (and vs cumulative uplink bytes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluated = [r for r in records if metric in r.get("eval", {})]
+    rounds = [r["round"] for r in evaluated]
+    values = [r["eval"][metric] for r in evaluated]
+    uplink = [r["cum_bytes_up"] / 1e6 for r in evaluated]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].plot(rounds, values, marker="o")
+    axes[0].set_xlabel("round")
+    axes[0].set_ylabel(metric)
+    axes[0].set_title(f"{title}: {metric} per round")
+    axes[1].plot(uplink, values, marker="o")
+    axes[1].set_xlabel("cumulative uplink (MB)")
+    axes[1].set_ylabel(metric)
+    axes[1].set_title("vs bytes sent by clients")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,175 @@
+"""Tokenize examples once, pad per batch, and turn model outputs into predictions.
+
+Examples are tokenized once at start-up (no padding) and padded to the batch's longest
+sequence, so a round spends its time in the model, not in the tokenizer. Generative heads
+(``causal_lm``, ``seq2seq``) cast classification as text: the target is the label's name, and a
+prediction is the label whose text the model finds most likely (rank classification).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from fedpeft.data.types import Example, TaskData
+from fedpeft.models.backbone import Head
+
+IGNORE_INDEX = -100
+PROMPT_SUFFIX = " Answer:"
+
+
+@dataclass
+class EncodedData:
+    """Tokenized examples of one split; ``features[i]`` maps field name -> token ids."""
+
+    features: list[dict[str, list[int]]]
+    labels: list[int | float]
+    head: Head
+    pad_id: int
+    label_targets: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+
+def label_targets(tokenizer: PreTrainedTokenizerBase, task: TaskData) -> list[list[int]]:
+    """Token ids of each label's text (leading space so BPE vocabularies split words cleanly)."""
+    targets = [tokenizer(" " + name, add_special_tokens=False)["input_ids"] for name in task.label_names]
+    eos = tokenizer.eos_token_id
+    return [[*ids, eos] for ids in targets]
+
+
+def _prompt_text(example: Example) -> str:
+    return " ".join(example.texts) + PROMPT_SUFFIX
+
+
+def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, head: Head,
+                    task: TaskData, max_length: int) -> EncodedData:
+    labels = [ex.label if ex.label is not None else 0 for ex in examples]
+    targets = label_targets(tokenizer, task) if head in ("causal_lm", "seq2seq") else None
+    features: list[dict[str, list[int]]] = []
+    if head == "sequence_classification":
+        firsts = [ex.texts[0] for ex in examples]
+        seconds = [ex.texts[1] if len(ex.texts) > 1 else None for ex in examples]
+        if any(s is not None for s in seconds):
+            enc = tokenizer(firsts, [s or "" for s in seconds], truncation=True, max_length=max_length)
+        else:
+            enc = tokenizer(firsts, truncation=True, max_length=max_length)
+        keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+        features = [{k: enc[k][i] for k in keys} for i in range(len(examples))]
+    elif head == "multiple_choice":
+        for ex in examples:
+            enc = tokenizer([ex.texts[0]] * len(ex.choices), list(ex.choices), truncation=True,
+                            max_length=max_length)
+            features.append({k: [tok for row in enc[k] for tok in [*row, -1]]
+                             for k in ("input_ids", "token_type_ids") if k in enc})
+    elif head == "causal_lm":
+        enc = tokenizer([_prompt_text(ex) for ex in examples], truncation=True, max_length=max_length,
+                        add_special_tokens=False)
+        features = [{"input_ids": ids} for ids in enc["input_ids"]]
+    else:
+        enc = tokenizer([_prompt_text(ex) for ex in examples], truncation=True, max_length=max_length)
+        features = [{"input_ids": ids} for ids in enc["input_ids"]]
+    return EncodedData(features, labels, head, tokenizer.pad_token_id, targets)
+
+
+def _pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def _split_choices(flat: list[int]) -> list[list[int]]:
+    rows, current = [], []
+    for tok in flat:
+        if tok == -1:
+            rows.append(current)
+            current = []
+        else:
+            current.append(tok)
+    return rows
+
+
+def _classification_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
+    feats = [data.features[i] for i in idx]
+    batch = {"input_ids": _pad([f["input_ids"] for f in feats], data.pad_id)}
+    batch["attention_mask"] = _pad([[1] * len(f["input_ids"]) for f in feats], 0)
+    if "token_type_ids" in feats[0]:
+        batch["token_type_ids"] = _pad([f["token_type_ids"] for f in feats], 0)
+    return batch
+
+
+def _multiple_choice_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
+    per_example = [{k: _split_choices(v) for k, v in data.features[i].items()} for i in idx]
+    n_choices = len(per_example[0]["input_ids"])
+    flat = {k: [row for ex in per_example for row in ex[k]] for k in per_example[0]}
+    batch = {"input_ids": _pad(flat["input_ids"], data.pad_id)}
+    batch["attention_mask"] = _pad([[1] * len(r) for r in flat["input_ids"]], 0)
+    if "token_type_ids" in flat:
+        batch["token_type_ids"] = _pad(flat["token_type_ids"], 0)
+    return {k: v.view(len(idx), n_choices, -1) for k, v in batch.items()}
+
+
+def _generative_batch(data: EncodedData, idx: Sequence[int], targets: Sequence[Sequence[int]]
+                      ) -> dict[str, torch.Tensor]:
+    prompts = [data.features[i]["input_ids"] for i in idx]
+    if data.head == "seq2seq":
+        batch = {"input_ids": _pad(prompts, data.pad_id)}
+        batch["attention_mask"] = _pad([[1] * len(p) for p in prompts], 0)
+        batch["labels"] = _pad(targets, IGNORE_INDEX)
+        return batch
+    joined = [list(p) + list(t) for p, t in zip(prompts, targets)]
+    batch = {"input_ids": _pad(joined, data.pad_id)}
+    batch["attention_mask"] = _pad([[1] * len(j) for j in joined], 0)
+    batch["labels"] = _pad([[IGNORE_INDEX] * len(p) + list(t) for p, t in zip(prompts, targets)], IGNORE_INDEX)
+    return batch
+
+
+def training_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Model inputs with ``labels`` for the loss of this head."""
+    if data.head in ("causal_lm", "seq2seq"):
+        assert data.label_targets is not None
+        return _generative_batch(data, idx, [data.label_targets[int(data.labels[i])] for i in idx])
+    batch = (_multiple_choice_batch if data.head == "multiple_choice" else _classification_batch)(data, idx)
+    dtype = torch.float if isinstance(data.labels[idx[0]], float) else torch.long
+    batch["labels"] = torch.tensor([data.labels[i] for i in idx], dtype=dtype)
+    return batch
+
+
+def _sequence_log_likelihood(model: nn.Module, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
+    """Sum of log p(target tokens) per row. Seq2seq logits align with labels; causal ones shift by one."""
+    labels = batch["labels"]
+    if seq2seq:
+        logits = model(**batch).logits
+    else:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+        labels = labels[:, 1:]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    mask = labels != IGNORE_INDEX
+    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * mask).sum(dim=-1)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
+    """Predicted class ids (or regression values) for the examples ``idx``."""
+    if data.head in ("causal_lm", "seq2seq"):
+        assert data.label_targets is not None
+        scores = torch.stack([
+            _sequence_log_likelihood(model, _generative_batch(data, idx, [target] * len(idx)),
+                                     data.head == "seq2seq")
+            for target in data.label_targets
+        ], dim=-1)
+        return scores.argmax(dim=-1)
+    batch = training_batch(data, idx)
+    batch.pop("labels")
+    logits = model(**batch).logits
+    if logits.shape[-1] == 1 and data.head == "sequence_classification" and isinstance(data.labels[0], float):
+        return logits.squeeze(-1).float()
+    return logits.argmax(dim=-1)

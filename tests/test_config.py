@@ -1,0 +1,95 @@
+"""Every bad config value fails before training, naming the field and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedpeft.config import ConfigError, build_config, load_config
+from fedpeft.experiment import prepare
+from tests.conftest import tiny_raw_config
+
+
+def test_recipe_defaults_under_user_values() -> None:
+    cfg = build_config({"method": "lora", "adapter": {"r": 2}})
+    assert cfg.adapter.r == 2 and cfg.adapter.kind == "lora"
+    assert cfg.client.optimizer == "adamw"  # from the recipe
+
+
+def test_yaml_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"method": "lora", "rounds": 4}))
+    cfg = load_config(path, ["partition.num_clients=20", "strategy.clients_per_round=5", "adapter.dropout=0.1"])
+    assert (cfg.rounds, cfg.partition.num_clients, cfg.clients_per_round(), cfg.adapter.dropout) == (4, 20, 5, 0.1)
+
+
+@pytest.mark.parametrize(
+    "raw,field,hint",
+    [
+        ({"method": "nope"}, "method", "allowed"),
+        ({"adapter": {"r": 0}}, "adapter.r", "greater than 0"),
+        ({"codec": {"up": {"density": 1.5}}}, "codec.up.density", "less than or equal to 1"),
+        ({"codec": {"down": {"density": 0}}}, "codec.down.density", "greater than 0"),
+        ({"client": {"optimizer": "lion"}}, "client.optimizer", "sgd"),
+        ({"partition": {"kind": "zipf"}}, "partition.kind", "dirichlet"),
+        ({"partition": {"num_clients": 4}, "strategy": {"clients_per_round": 5}}, "strategy.clients_per_round",
+         "exceeds"),
+        ({"rounds": -1}, "rounds", "greater than 0"),
+        ({"tasks": {}}, "tasks", "unknown field"),
+    ],
+)
+def test_bad_values_name_the_field(raw: dict, field: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config(raw)
+    assert info.value.field == field
+    assert hint in str(info.value)
+
+
+def test_bad_override_syntax() -> None:
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(None, ["adapter.r"])
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _prepare(raw: dict) -> None:
+    prepare(build_config(raw))
+
+
+def test_missing_data_file(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    _train, eval_ = toy_files
+    raw = tiny_raw_config(tmp_path / "nope.csv", eval_, tmp_path / "run")
+    with pytest.raises(ConfigError) as info:
+        _prepare(raw)
+    assert info.value.field == "task.train_file"
+
+
+def test_label_not_in_label_set(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", task={"label_names": ["neg", "neutral"]})
+    with pytest.raises(ConfigError) as info:
+        _prepare(raw)
+    assert info.value.field == "task.label_names"
+
+
+def test_more_clients_than_examples(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", partition={"num_clients": 500})
+    with pytest.raises(ConfigError) as info:
+        _prepare(raw)
+    assert info.value.field == "partition.num_clients"
+
+
+def test_unknown_adapter_and_strategy(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    with pytest.raises(ConfigError, match=r"adapter\.kind"):
+        _prepare(tiny_raw_config(train, eval_, tmp_path / "r1", adapter={"kind": "magic"}))
+    with pytest.raises(ConfigError, match=r"strategy\.name"):
+        _prepare(tiny_raw_config(train, eval_, tmp_path / "r2", strategy={"name": "fedmagic"}))
+    with pytest.raises(ConfigError, match=r"task\.name"):
+        _prepare(tiny_raw_config(train, eval_, tmp_path / "r3", task={"name": "sst3"}))

@@ -1,0 +1,113 @@
+"""End to end on tiny models: learning, exact accounting, resume, memory-independent slot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpeft.cli import main
+from fedpeft.config import build_config
+from fedpeft.engines.local import LocalEngine
+from fedpeft.experiment import prepare
+from fedpeft.metrics.recorder import CheckpointError, load_metrics
+from tests.conftest import tiny_raw_config
+
+
+def run(raw: dict, resume: bool = False) -> tuple[LocalEngine, list[dict]]:
+    exp = prepare(build_config(raw))
+    engine = LocalEngine(exp, Path(raw["output"]["run_dir"]))
+    records = engine.run(resume=resume)
+    return engine, records
+
+
+def test_tiny_model_learns_separable_task(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=10, client={"local_epochs": 2})
+    _, records = run(raw)
+    accuracies = [r["eval"]["accuracy"] for r in records]
+    assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]
+    assert max(accuracies[-3:]) >= 0.75, accuracies  # chance is 0.5 on 64 balanced examples
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_bytes_recorded_equal_message_lengths(toy_files: tuple[Path, Path], tmp_path: Path, dtype: str) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1, codec={"down": {"dtype": dtype},
+                                                                            "up": {"dtype": dtype}})
+    engine, records = run(raw)
+    exp = engine.exp
+    expected_down = len(exp.down_codec.encode(exp.initial_state))
+    assert records[0]["bytes_down"] == [expected_down] * 2
+    # the uplink message holds exactly the trainable keys, so it has the same size
+    assert records[0]["bytes_up"] == [expected_down] * 2
+    width = 4 if dtype == "fp32" else 2
+    header = int.from_bytes(exp.down_codec.encode(exp.initial_state)[:8], "little")
+    assert expected_down == 8 + header + width * exp.trainable_params
+    assert records[0]["cum_bytes_up"] == sum(records[0]["bytes_up"])
+
+
+def test_resume_is_bit_identical(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    full_raw = tiny_raw_config(train, eval_, tmp_path / "full", rounds=4, strategy={"name": "fedadam",
+                                                                                      "server_lr": 0.01},
+                               adapter={"dropout": 0.1})
+    full_engine, full_records = run(full_raw)
+
+    part_raw = tiny_raw_config(train, eval_, tmp_path / "part", rounds=2, strategy={"name": "fedadam",
+                                                                                      "server_lr": 0.01},
+                               adapter={"dropout": 0.1})
+    run(part_raw)
+    part_raw["rounds"] = 4
+    resumed_engine, resumed_records = run(part_raw, resume=True)
+
+    def strip(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in ("time", "cum_wall_seconds")} for r in records]
+
+    assert strip(resumed_records) == strip(full_records)
+    assert strip(load_metrics(tmp_path / "part")) == strip(full_records)
+    for key, value in full_engine.final_state.items():
+        assert torch.equal(value, resumed_engine.final_state[key]), key
+
+
+def test_resume_rejects_other_config_and_corrupt_checkpoint(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1)
+    run(raw)
+    other = tiny_raw_config(train, eval_, tmp_path / "run", rounds=2, adapter={"r": 2})
+    with pytest.raises(CheckpointError, match="different experiment config"):
+        run(other, resume=True)
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    raw["rounds"] = 2
+    with pytest.raises(CheckpointError, match="corrupt"):
+        run(raw, resume=True)
+
+
+def test_cli_run_and_refuse_overwrite(toy_files: tuple[Path, Path], tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=2)
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    overrides = ["--set", "strategy.name=fedprox", "--set", "strategy.proximal_mu=0.01"]
+    assert main(["run", str(config), "--plot", *overrides]) == 0
+    assert (tmp_path / "run" / "metric.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["metric"] == "accuracy"
+    assert main(["run", str(config)]) == 2  # refuses to overwrite
+    assert "already holds a run" in " ".join(capsys.readouterr().out.split())
+    assert main(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=3"]) == 0
+    assert [r["round"] for r in load_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_cross_silo_selects_everyone(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1, strategy={"selection": "all",
+                                                                               "clients_per_round": None})
+    _, records = run(raw)
+    assert records[0]["clients"] == [0, 1, 2, 3]
+    assert sum(records[0]["num_samples"]) == 160
