@@ -122,6 +122,20 @@ class LocalEngine:
         record["time"]["round"] = time.perf_counter() - t_round
         return new_state, record
 
+    def _initial_record(self, state: State) -> dict[str, Any]:
+        """Round 0: the global model before any training (no clients, no bytes)."""
+        exp = self.exp
+        t0 = time.perf_counter()
+        metrics = evaluate(exp.slot, exp.eval_data, exp.task, state, exp.cfg.evaluation.batch_size)
+        seconds = time.perf_counter() - t0
+        return {
+            "round": 0, "clients": [], "num_samples": [], "train_loss": None, "client_losses": [], "eval": metrics,
+            "bytes_down": [], "bytes_up": [], "cum_bytes_down": 0, "cum_bytes_up": 0, "cum_wall_seconds": 0.0,
+            "trainable_params": exp.trainable_params, "client_flops_per_step": None, "method": {},
+            "time": {"client_compute": 0.0, "train_steps": 0.0, "codec": 0.0, "aggregation": 0.0,
+                     "evaluation": seconds, "round": seconds},
+        }
+
     def run(self, resume: bool = False, on_round: Callable[[dict[str, Any]], None] | None = None
             ) -> list[dict[str, Any]]:
         exp, cfg = self.exp, self.exp.cfg
@@ -137,6 +151,8 @@ class LocalEngine:
             start = int(ckpt["round"]) + 1
         else:
             self.recorder.start(cfg)
+            if cfg.evaluation.at_start:
+                self.recorder.append(self._initial_record(global_state))
         fingerprint = resume_fingerprint(cfg)
 
         progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

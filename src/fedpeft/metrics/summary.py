@@ -20,9 +20,10 @@ def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     evaluated = [r for r in records if metric in r.get("eval", {})]
     best = max(evaluated, key=lambda r: r["eval"][metric]) if evaluated else None
     last = records[-1] if records else {}
+    trained = [r for r in records if r["round"] > 0]
     return {
         "metric": metric,
-        "rounds": len(records),
+        "rounds": len(trained),
         "best_metric": best["eval"][metric] if best else None,
         "best_round": best["round"] if best else None,
         "final_metric": evaluated[-1]["eval"][metric] if evaluated else None,
@@ -42,7 +43,7 @@ def rounds_table(records: list[dict[str, Any]], metric: str, title: str) -> Tabl
         value = r["eval"].get(metric)
         n = max(len(r["clients"]), 1)
         table.add_row(
-            str(r["round"]), str(len(r["clients"])), f"{r['train_loss']:.4f}",
+            str(r["round"]), str(len(r["clients"])), "" if r["train_loss"] is None else f"{r['train_loss']:.4f}",
             "" if value is None else f"{value:.4f}",
             human_bytes(sum(r["bytes_down"]) / n), human_bytes(sum(r["bytes_up"]) / n),
             f"{r['time']['round']:.1f} s",

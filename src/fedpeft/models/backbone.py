@@ -24,6 +24,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
@@ -159,6 +160,8 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
 
 def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
     """Build the model for ``task``. Random parts (heads, tiny models) are seeded by ``seed``."""
+    hf_logging.set_verbosity_error()  # the load report lists the new head as "missing": expected, not news
+    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
     if cfg.name.startswith("tiny-"):
         arch = cfg.name.removeprefix("tiny-")
