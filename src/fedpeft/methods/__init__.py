@@ -3,3 +3,7 @@
 Each method lives in its own module and registers an :class:`~fedpeft.federated.algorithm.Algorithm`
 subclass (and any codec or selector it brings); its recipe YAML names the algorithm.
 """
+
+from fedpeft.methods import federa, hetlora, rolora
+
+__all__ = ["federa", "hetlora", "rolora"]
