@@ -1,15 +1,17 @@
-"""Command line: ``fedpeft run | recipes | data``."""
+"""Command line: ``fedpeft run | recipes | data | compare | report | sweep``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
-from fedpeft.config import ConfigError, load_config
+from fedpeft.config import ConfigError, ExperimentConfig, load_config
 from fedpeft.metrics.recorder import CheckpointError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -22,10 +24,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from fedpeft.engines.local import LocalEngine
-    from fedpeft.experiment import default_run_dir, prepare
+    from fedpeft.experiment import default_run_dir
     from fedpeft.metrics.recorder import Recorder, load_run_config
-    from fedpeft.metrics.summary import plot_metric, rounds_table, summarize
 
     config_path = args.config
     if args.resume and config_path is None:
@@ -40,29 +40,45 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         load_run_config(run_dir)
     else:
         Recorder(run_dir).check_new()
-    exp = prepare(cfg, args.data_dir)
+    run_experiment(cfg, run_dir, console, args.data_dir, bool(args.resume), args.plot)
+    return 0
+
+
+def run_experiment(cfg: ExperimentConfig, run_dir: Path, console: Console, data_dir: str | None, resume: bool,
+                   plot: bool) -> None:
+    """Prepare, run on the local engine with a line per round, write the summary (and plot)."""
+    from fedpeft.engines.local import LocalEngine
+    from fedpeft.experiment import prepare
+    from fedpeft.metrics.summary import human_bytes, plot_metric, rounds_table, summarize
+
+    exp = prepare(cfg, data_dir)
     console.print(f"[bold]{cfg.method}[/] on [bold]{exp.task.name}[/]: {len(exp.task.train)} train / "
                   f"{len(exp.task.eval)} eval examples, {cfg.partition.num_clients} clients "
                   f"({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters "
                   f"-> {run_dir}")
     engine = LocalEngine(exp, run_dir, console)
-    records = engine.run(resume=bool(args.resume))
     metric = exp.task.primary_metric
+
+    def report(record: dict) -> None:
+        value = record["eval"].get(metric)
+        shown = f"  {metric} {value:.4f}" if value is not None else ""
+        console.print(f"round {record['round']:>3}  loss {record['train_loss']:.4f}{shown}  "
+                      f"up {human_bytes(sum(record['bytes_up']))}  down {human_bytes(sum(record['bytes_down']))}  "
+                      f"{record['time']['round']:.1f} s")
+
+    records = engine.run(resume=resume, on_round=report)
     summary = summarize(records, metric)
     summary.update(method=cfg.method, task=exp.task.name)
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
                   f"run directory {run_dir}")
-    if args.plot:
+    if plot:
         path = plot_metric(records, metric, run_dir / "metric.png", f"{cfg.method} on {exp.task.name}")
         console.print(f"plot: {path}")
-    return 0
 
 
 def cmd_recipes(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
     from fedpeft.recipes import RECIPES
 
     table = Table(title="fedpeft recipes")
@@ -92,6 +108,67 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _compare(run_dirs: list[str], out: str | None, target: float | None, bandwidth: str | None,
+             console: Console, title: str) -> Path:
+    from fedpeft.metrics.compare import Bandwidth, aggregate_seeds, default_target, load_run, run_row
+    from fedpeft.metrics.report import TABLE_COLUMNS, build_report, table_rows
+
+    runs = [load_run(d) for d in run_dirs]
+    link = Bandwidth.parse(bandwidth) if bandwidth else None
+    goal = target if target is not None else default_target(runs)
+    rows = [run_row(run, goal, link) for run in runs]
+    if len({r["seed"] for r in rows}) > 1:
+        rows = aggregate_seeds(rows)
+    out_dir = Path(out) if out else (Path(run_dirs[0]) if len(run_dirs) == 1 else Path("runs/compare"))
+    notes = [f"target {runs[0].metric} = {goal:.4f}" + (" (95% of the best run's best)" if target is None else "")
+             if goal is not None else "no target", "bytes: lengths of the serialized messages; "
+             "time: " + (f"simulated at {bandwidth} Mbps down/up plus measured client compute" if link
+                         else "the runs' simulated time when they had a network model, else wall clock")]
+    path = build_report(runs, rows, out_dir, title, link, notes)
+    table = Table(title=title)
+    for _, label in TABLE_COLUMNS:
+        table.add_column(label, justify="right")
+    for cells in table_rows(rows):
+        table.add_row(*cells)
+    console.print(table)
+    (out_dir / "compare.json").write_text(json.dumps(rows, indent=2, default=str))
+    console.print(f"report: {path}")
+    return path
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    _compare(args.run_dirs, args.out, args.target_accuracy, args.bandwidth, console, "fedpeft comparison")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    _compare([args.run_dir], args.out, args.target_accuracy, args.bandwidth, console,
+             f"fedpeft run {Path(args.run_dir).name}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.config import build_config
+    from fedpeft.sweep import run_sweep
+
+    def run_one(raw: dict, resume: bool) -> None:
+        cfg = build_config(raw)
+        run_experiment(cfg, Path(cfg.output.run_dir), console, args.data_dir, resume, plot=False)
+
+    out_dir, dirs = run_sweep(Path(args.sweep), run_one)
+    _compare([str(d) for d in dirs], str(out_dir), args.target_accuracy, args.bandwidth, console,
+             f"fedpeft sweep {Path(args.sweep).name}")
+    return 0
+
+
+def _add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target-accuracy", type=float,
+                        help="metric value to reach (default: 95%% of the best value any run reached)")
+    parser.add_argument("--bandwidth", metavar="DOWN/UP",
+                        help="link speeds in Mbps, e.g. 10/1: time to target is simulated from the real bytes")
+    parser.add_argument("--out", help="folder for report.html, figures and compare.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedpeft", description="Federated parameter-efficient fine-tuning")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,13 +195,31 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--alpha", type=float, help="Dirichlet concentration")
     _add_config_args(data)
     data.set_defaults(func=cmd_data)
+
+    compare = sub.add_parser("compare", help="put finished runs side by side: table + report.html",
+                             description="Compare runs: table, report.html, PNG/SVG figures, compare.json")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    _add_report_args(compare)
+    compare.set_defaults(func=cmd_compare)
+
+    report = sub.add_parser("report", help="report.html for one run", description="The report page for one run")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    _add_report_args(report)
+    report.set_defaults(func=cmd_report)
+
+    sweep = sub.add_parser("sweep", help="run a grid of experiments and compare them",
+                           description="Run methods x tasks x partitions x seeds from a sweep YAML, then compare")
+    sweep.add_argument("sweep", metavar="SWEEP.yaml")
+    sweep.add_argument("--data-dir", help="folder of the benchmark data")
+    _add_report_args(sweep)
+    sweep.set_defaults(func=cmd_sweep)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 180)  # logs and pipes get the whole table
     try:
         return args.func(args, console)
     except ConfigError as err:

@@ -24,6 +24,7 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
+PARTITION = "partition.json"
 
 
 class CheckpointError(RuntimeError):
@@ -105,6 +106,9 @@ class Recorder:
         atomic_write_bytes(self.run_dir / METRICS, payload.encode())
         atomic_write_bytes(self.run_dir / CONFIG, cfg.to_yaml().encode())
         return state
+
+    def write_partition(self, partition: dict[str, Any]) -> None:
+        atomic_write_bytes(self.run_dir / PARTITION, json.dumps(partition, sort_keys=True).encode())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_bytes(self.run_dir / SUMMARY, json.dumps(summary, indent=2, sort_keys=True).encode())

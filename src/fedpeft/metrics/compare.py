@@ -1,0 +1,179 @@
+"""Read finished runs and put them side by side: one row per run, the SPEC's benchmark fields.
+
+A run directory holds ``config.yaml``, ``metrics.jsonl`` and (optionally) ``partition.json``.
+Times to target use, in order: a bandwidth given here (recomputed from the real bytes and each
+client's measured compute), the run's own simulated time (``time.simulated`` per round, when
+its config had a network model), or the measured wall clock.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedpeft.config import ConfigError
+from fedpeft.metrics.recorder import CONFIG, METRICS, PARTITION, load_metrics
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Per-client link speeds in megabits per second (10^6 bit/s) and a fixed latency per message."""
+
+    down_mbps: float
+    up_mbps: float
+    latency_seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Bandwidth:
+        """``"10/1"`` means 10 Mbps down, 1 Mbps up."""
+        try:
+            down, up = (float(part) for part in text.split("/"))
+        except ValueError as err:
+            raise ConfigError("--bandwidth", f"expected DOWN/UP in Mbps like 10/1, got {text!r}") from err
+        if down <= 0 or up <= 0:
+            raise ConfigError("--bandwidth", f"speeds must be > 0, got {text!r}")
+        return cls(down, up)
+
+    def round_seconds(self, record: dict[str, Any]) -> float:
+        """The round lasts as long as its slowest client: download + compute + upload."""
+        compute = record.get("client_seconds") or [0.0] * len(record["bytes_up"])
+        per_client = [
+            8 * down / (self.down_mbps * 1e6) + seconds + 8 * up / (self.up_mbps * 1e6) + 2 * self.latency_seconds
+            for down, up, seconds in zip(record["bytes_down"], record["bytes_up"], compute)
+        ]
+        return max(per_client, default=0.0)
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    partition: dict[str, Any] | None
+
+    @property
+    def method(self) -> str:
+        return str(self.config.get("method", "?"))
+
+    @property
+    def metric(self) -> str:
+        evaluated = [r for r in self.records if r.get("eval")]
+        return next(iter(evaluated[-1]["eval"])) if evaluated else "accuracy"
+
+    @property
+    def trained(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["round"] > 0]
+
+    def curve(self, metric: str | None = None) -> list[tuple[dict[str, Any], float]]:
+        metric = metric or self.metric
+        return [(r, r["eval"][metric]) for r in self.records if metric in r.get("eval", {})]
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not (path / METRICS).exists() or not (path / CONFIG).exists():
+        raise ConfigError("RUN_DIR", f"{path} is not a run directory (needs {CONFIG} and {METRICS})")
+    config = yaml.safe_load((path / CONFIG).read_text())
+    partition = json.loads((path / PARTITION).read_text()) if (path / PARTITION).exists() else None
+    records = load_metrics(path)
+    if not records:
+        raise ConfigError("RUN_DIR", f"{path} has no finished round yet")
+    return Run(path=path, name=path.name, config=config, records=records, partition=partition)
+
+
+def time_axis(run: Run, bandwidth: Bandwidth | None) -> tuple[list[float], str]:
+    """Cumulative seconds at the end of each record, and what kind of time it is."""
+    if bandwidth is not None:
+        label, per_round = "simulated", [bandwidth.round_seconds(r) for r in run.records]
+    elif run.trained and all("simulated" in r["time"] for r in run.trained):
+        label, per_round = "simulated", [r["time"].get("simulated", 0.0) for r in run.records]
+    else:
+        label, per_round = "wall clock", [r["time"]["round"] if r["round"] > 0 else 0.0 for r in run.records]
+    total, out = 0.0, []
+    for seconds in per_round:
+        total += seconds
+        out.append(total)
+    return out, label
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) -> dict[str, Any]:
+    """One row with the SPEC's benchmark fields for ``run`` (targets null when never reached)."""
+    metric = run.metric
+    curve = run.curve(metric)
+    trained = run.trained
+    cfg = run.config
+    times, time_kind = time_axis(run, bandwidth)
+    time_at = {r["round"]: t for r, t in zip(run.records, times)}
+    reached = next(((r, v) for r, v in curve if target is not None and v >= target), None)
+    last = run.records[-1]
+    return {
+        "run": run.name,
+        "task": cfg.get("task", {}).get("name"),
+        "partition": _partition_label(cfg.get("partition", {})),
+        "method": run.method,
+        "seed": cfg.get("seed"),
+        "rounds": len(trained),
+        "clients": cfg.get("partition", {}).get("num_clients"),
+        "clients_per_round": _mean([len(r["clients"]) for r in trained]),
+        "metric": metric,
+        "best_metric": max((v for _, v in curve), default=None),
+        "final_metric": curve[-1][1] if curve else None,
+        "trainable_params": last.get("trainable_params"),
+        "uplink_bytes_per_client_round": _mean([b for r in trained for b in r["bytes_up"]]),
+        "downlink_bytes_per_client_round": _mean([b for r in trained for b in r["bytes_down"]]),
+        "total_bytes": last.get("cum_bytes_up", 0) + last.get("cum_bytes_down", 0),
+        "target": target,
+        "rounds_to_target": reached[0]["round"] if reached else None,
+        "bytes_to_target": (reached[0]["cum_bytes_up"] + reached[0]["cum_bytes_down"]) if reached else None,
+        "uplink_bytes_to_target": reached[0]["cum_bytes_up"] if reached else None,
+        "seconds_to_target": time_at[reached[0]["round"]] if reached else None,
+        "time_kind": time_kind,
+        "client_flops_per_step": last.get("client_flops_per_step"),
+        "wall_seconds": last.get("cum_wall_seconds", sum(r["time"]["round"] for r in trained)),
+    }
+
+
+def _partition_label(partition: dict[str, Any]) -> str:
+    kind = partition.get("kind", "iid")
+    if kind in ("dirichlet", "quantity_skew"):
+        return f"{kind}({partition.get('alpha')})"
+    return str(kind)
+
+
+def default_target(runs: Sequence[Run], fraction: float = 0.95) -> float | None:
+    """95% of the best metric any of the runs reached (the FedTT paper's Table 6 convention)."""
+    bests = [v for run in runs for _, v in run.curve()]
+    return fraction * max(bests) if bests else None
+
+
+def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and standard deviation over seeds of rows that differ only in seed and run name."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["partition"], row["method"], row["run"].rsplit("_seed", 1)[0]),
+                          []).append(row)
+    out = []
+    for (task, partition, method, name), members in groups.items():
+        merged: dict[str, Any] = {"run": name, "task": task, "partition": partition, "method": method,
+                                  "seeds": [m["seed"] for m in members], "metric": members[0]["metric"]}
+        for key in ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target", "seconds_to_target",
+                    "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "wall_seconds"):
+            values = [m[key] for m in members if m[key] is not None]
+            merged[key] = _mean(values) if values else None
+            merged[f"{key}_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        merged["trainable_params"] = members[0]["trainable_params"]
+        merged["client_flops_per_step"] = members[0]["client_flops_per_step"]
+        merged["target"] = members[0]["target"]
+        out.append(merged)
+    return out

@@ -1,0 +1,128 @@
+"""compare/report/sweep on tiny runs, and the page checked in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedpeft.cli import main
+from fedpeft.config import build_config
+from fedpeft.engines.local import LocalEngine
+from fedpeft.experiment import prepare
+from fedpeft.metrics.compare import Bandwidth, load_run, run_row
+from tests.conftest import tiny_raw_config
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    from tests.conftest import write_toy_sentiment
+
+    root = tmp_path_factory.mktemp("runs")
+    train = write_toy_sentiment(root / "train.csv", 160, 0)
+    eval_ = write_toy_sentiment(root / "eval.csv", 64, 1)
+    dirs = []
+    for name, sections in [("lora_r4", {}), ("lora_fp16", {"codec": {"up": {"dtype": "fp16"}}})]:
+        raw = tiny_raw_config(train, eval_, root / name, rounds=3, evaluation={"at_start": True}, **sections)
+        LocalEngine(prepare(build_config(raw)), root / name).run()
+        dirs.append(root / name)
+    return dirs
+
+
+def test_run_row_fields_and_targets(two_runs: list[Path]) -> None:
+    run = load_run(two_runs[0])
+    row = run_row(run, target=0.0)
+    assert row["rounds"] == 3 and row["method"] == "lora" and row["rounds_to_target"] == 0
+    unreachable = run_row(run, target=1.01)
+    assert unreachable["rounds_to_target"] is None and unreachable["bytes_to_target"] is None
+    records = run.records
+    assert row["total_bytes"] == records[-1]["cum_bytes_up"] + records[-1]["cum_bytes_down"]
+    assert row["uplink_bytes_per_client_round"] == records[1]["bytes_up"][0]
+
+
+def test_bandwidth_time_is_slowest_client() -> None:
+    link = Bandwidth.parse("8/1")
+    record = {"bytes_down": [1_000_000, 0], "bytes_up": [125_000, 250_000], "client_seconds": [1.0, 0.5]}
+    # client 0: 1 s down + 1 s compute + 1 s up = 3 s; client 1: 0.5 s + 2 s up = 2.5 s
+    assert link.round_seconds(record) == pytest.approx(3.0)
+    with pytest.raises(Exception, match="bandwidth"):
+        Bandwidth.parse("fast")
+
+
+def test_compare_writes_table_report_and_figures(two_runs: list[Path], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cmp"
+    assert main(["compare", *map(str, two_runs), "--bandwidth", "10/1", "--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 4  # three curves + partition
+    assert "http://" not in page and "https://" not in page  # nothing to fetch at view time
+    for name in ("metric_vs_round", "metric_vs_uplink", "metric_vs_time", "partition"):
+        assert (out / f"{name}.png").stat().st_size > 0 and (out / f"{name}.svg").stat().st_size > 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["run"] for r in rows] == ["lora_r4", "lora_fp16"]
+    assert rows[1]["uplink_bytes_per_client_round"] < rows[0]["uplink_bytes_per_client_round"]
+    assert "lora_fp16" in capsys.readouterr().out
+
+
+def test_report_single_run(two_runs: list[Path], tmp_path: Path) -> None:
+    assert main(["report", str(two_runs[0]), "--out", str(tmp_path / "one")]) == 0
+    assert (tmp_path / "one" / "report.html").exists()
+
+
+def test_sweep_runs_grid_and_aggregates_seeds(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    base = tiny_raw_config(train, eval_, tmp_path / "unused", rounds=1)
+    sweep = {"base": base, "out_dir": str(tmp_path / "sweep"),
+             "grid": {"adapter.r": [2, 4], "seed": [0, 1]}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    assert main(["sweep", str(path)]) == 0
+    rows = json.loads((tmp_path / "sweep" / "compare.json").read_text())
+    assert sorted(r["run"] for r in rows) == ["2", "4"]
+    assert all(r["seeds"] == [0, 1] for r in rows)
+    assert (tmp_path / "sweep" / "2_seed1" / "summary.json").exists()
+    # a second call skips finished runs
+    assert main(["sweep", str(path)]) == 0
+
+
+def _chromium() -> str | None:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, timeout=300)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, capture_output=True,
+                       timeout=900, env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return shutil.which("chromium")
+
+
+def test_report_renders_in_headless_chromium(two_runs: list[Path], tmp_path: Path) -> None:
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
+    browser_path = _chromium()
+    if browser_path is None:
+        pytest.skip("Debian's chromium is not installed and could not be installed (apt-get failed)")
+    out = tmp_path / "cmp"
+    assert main(["compare", *map(str, two_runs), "--out", str(out)]) == 0
+    errors: list[str] = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--no-first-run", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1366, "height": 900})
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto((out / "report.html").as_uri())
+        page.wait_for_load_state("load")
+        images = page.eval_on_selector_all("img", "els => els.map(e => [e.complete, e.naturalWidth])")
+        page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        browser.close()
+    assert len(images) >= 4
+    assert all(complete and width > 0 for complete, width in images), images
+    assert errors == []
+    assert (tmp_path / "report.png").stat().st_size > 10_000
