@@ -18,6 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fedpeft.data.partition import describe_partition
 from fedpeft.experiment import Experiment, evaluate
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.metrics.recorder import Recorder, resume_fingerprint
@@ -55,6 +56,13 @@ def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: b
     codec_seconds += time.perf_counter() - t0
     return ClientRun(result, len(message), len(up_message), codec_seconds, stats.total_seconds,
                      stats.step_seconds, stats.flops_per_step)
+
+
+def partition_summary(exp: Experiment) -> dict[str, Any]:
+    """Shard sizes and label histograms, for reports (no examples, only counts)."""
+    labels = [ex.label for ex in exp.task.train]
+    return {"label_names": list(exp.task.label_names),
+            "clients": describe_partition(exp.shards, labels, exp.task.label_names)}
 
 
 class LocalEngine:
@@ -106,6 +114,7 @@ class LocalEngine:
             "eval": eval_metrics,
             "bytes_down": [r.bytes_down for r in runs],
             "bytes_up": [r.bytes_up for r in runs],
+            "client_seconds": [r.compute_seconds for r in runs],
             "trainable_params": exp.trainable_params,
             "client_flops_per_step": self.flops_per_step,
             "time": {
@@ -130,7 +139,8 @@ class LocalEngine:
         seconds = time.perf_counter() - t0
         return {
             "round": 0, "clients": [], "num_samples": [], "train_loss": None, "client_losses": [], "eval": metrics,
-            "bytes_down": [], "bytes_up": [], "cum_bytes_down": 0, "cum_bytes_up": 0, "cum_wall_seconds": 0.0,
+            "bytes_down": [], "bytes_up": [], "client_seconds": [], "cum_bytes_down": 0, "cum_bytes_up": 0,
+            "cum_wall_seconds": 0.0,
             "trainable_params": exp.trainable_params, "client_flops_per_step": None, "method": {},
             "time": {"client_compute": 0.0, "train_steps": 0.0, "codec": 0.0, "aggregation": 0.0,
                      "evaluation": seconds, "round": seconds},
@@ -151,6 +161,7 @@ class LocalEngine:
             start = int(ckpt["round"]) + 1
         else:
             self.recorder.start(cfg)
+            self.recorder.write_partition(partition_summary(exp))
             if cfg.evaluation.at_start:
                 self.recorder.append(self._initial_record(global_state))
         fingerprint = resume_fingerprint(cfg)
