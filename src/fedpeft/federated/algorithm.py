@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.data.types import TaskData
@@ -61,6 +62,11 @@ class Algorithm:
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
         """Runs on the client (in whichever engine): local training by default."""
         return train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+
+    def extra_upload_shapes(self, task: ClientTask) -> dict[str, torch.Size]:
+        """Non-parameter tensors a reply to ``task`` carries besides its updates (e.g. per-head
+        scores), with their shapes: the engine's reply validation accepts exactly these extras."""
+        return {}
 
     def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
         return self.strategy.aggregate(global_state, results)
