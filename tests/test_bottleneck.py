@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,16 @@ from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.models.backbone import load_backbone
 from tests.conftest import tiny_raw_config
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a shared CPU two spinning threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 TASK = TaskData(name="toy", problem_type="classification", label_names=("neg", "pos"), metrics=("accuracy",))
 

@@ -68,7 +68,8 @@ class TaskConfig(_Strict):
 
 
 class PartitionConfig(_Strict):
-    """How the training set is split across clients (deterministic for ``seed``)."""
+    """How the training set is split across clients (deterministic for ``seed``). ``preset`` names
+    a paper's setting (:mod:`fedpeft.data.presets`) whose values sit under the user's own."""
 
     kind: Literal["iid", "dirichlet", "quantity_skew", "label_proportions", "natural"] = "iid"
     num_clients: PositiveInt = 10
@@ -76,6 +77,7 @@ class PartitionConfig(_Strict):
     label_proportions: list[list[float]] | None = None
     min_examples_per_client: PositiveInt = 1
     seed: int | None = None
+    preset: str | None = None
 
 
 class ModelConfig(_Strict):
@@ -289,7 +291,9 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
     method = raw.get("method", "lora")
     if not isinstance(method, str) or method not in RECIPES:
         raise ConfigError("method", f"unknown method {method!r}; allowed: {', '.join(sorted(RECIPES))}")
-    merged = _deep_merge(RECIPES[method].defaults, raw)
+    from fedpeft.data.presets import preset_sections
+
+    merged = _deep_merge(_deep_merge(RECIPES[method].defaults, preset_sections(raw)), raw)
     merged["method"] = method
     try:
         return ExperimentConfig.model_validate(merged)

@@ -1,0 +1,96 @@
+"""FedTT+ (Ghiasvand et al., "Communication-Efficient and Tensorized Federated Fine-Tuning of
+Large Language Models", Alg. 2): round-robin freezing of tensor-train cores.
+
+FedTT (Alg. 1) needs no code of its own: the ``fedtt`` recipe is the TT adapter
+(:mod:`fedpeft.adapters.tt`) with the default FedAvg round, which averages every core separately.
+Averaging cores separately is not averaging the clients' products (Eq. 2); FedTT+ removes most
+of the cross terms by training, in round t, only G_1, G_r and G_J of every TT adapter layer:
+
+    r - 1 = mod(t, J - 2)         (Alg. 2, line 3)
+
+The other cores stay frozen, hence identical on all clients, and only the trained cores, the
+biases and the classification head are uploaded and averaged (lines 8, 10).
+
+Choices, with reasons:
+- Index convention. Read with 1-based cores, ``r = mod(t, J-2) + 1`` would give r = 1 (= G_1)
+  whenever t is a multiple of J-2, contradicting "r in {2, ..., J-1}" in the text. The formula
+  is consistent with 0-based cores (middle cores 1..J-2), so we take r = mod(t, J-2) + 2 in the
+  paper's 1-based numbering: t = 1, 2, ... visits G_3, G_4, ..., G_{J-1}, G_2, G_3, ...
+- Layers with J <= 3 cores have no core to freeze (J = 3: r is always 2); all their cores train.
+- The classification head is "always trainable" (Sec. 4.3); we read this as covering a
+  tensorized classifier too: every core of ``adapter.tt_classifier``'s layer trains every round.
+- Downlink: Alg. 2 line 11 sends only the cores updated in the round, assuming clients keep the
+  rest from earlier rounds. Our clients are stateless (a client may be simulated in a fresh
+  process, and memory must not grow with the number of clients), so the downlink carries the
+  whole global TT state; the frozen cores in it are the server's, identical for every client.
+  The uplink is exactly Alg. 2's: the trained cores, biases and head.
+- Aggregation is the configured strategy (FedAvg, sample-weighted, in the recipe), per key over
+  the clients that sent it, so frozen cores are never touched by the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fedpeft.adapters.tt import tt_layers
+from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
+from fedpeft.federated.types import ClientTask, State
+
+
+def round_robin_core(round_idx: int, num_cores: int) -> int | None:
+    """The middle core G_r (1-based) trained in round ``round_idx`` (1-based t): r = mod(t, J-2) + 2.
+    None when the layer has no middle core (J <= 2)."""
+    if num_cores <= 2:
+        return None
+    return round_idx % (num_cores - 2) + 2
+
+
+def trainable_cores(round_idx: int, num_cores: int) -> tuple[int, ...]:
+    """The cores (1-based) trained in round ``round_idx``: {1, r, J} (Alg. 2, line 5)."""
+    middle = round_robin_core(round_idx, num_cores)
+    return tuple(sorted({1, num_cores} | ({middle} if middle is not None else set())))
+
+
+@register_algorithm
+class FedTTPlus(Algorithm):
+    """Alg. 2: per round, G_1, G_r, G_J of every TT adapter layer (+ biases + head) train and go up."""
+
+    name = "fedtt_plus"
+
+    def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
+        super().__init__(cfg, ctx)
+        layers = tt_layers(ctx.backbone.model)
+        if not layers:
+            raise ConfigError("adapter.kind", "fedtt_plus freezes tensor-train cores; use adapter.kind tt")
+        trainable = set(ctx.slot.trainable)
+        # Round-robin layers: every TT layer of an adapter (the classifier's trains fully).
+        self.round_robin: dict[str, int] = {
+            name: layer.num_cores for name, layer in layers.items()
+            if ".adapter." in f".{name}." and all(f"{name}.cores.{j}" in trainable for j in range(layer.num_cores))
+        }
+
+    def round_keys(self, round_idx: int) -> frozenset[str]:
+        """The keys trained and uploaded in ``round_idx``: every trainable key except the frozen cores."""
+        frozen = set()
+        for layer, num_cores in self.round_robin.items():
+            active = trainable_cores(round_idx, num_cores)
+            frozen.update(f"{layer}.cores.{j - 1}" for j in range(1, num_cores + 1) if j not in active)
+        return frozenset(k for k in self.ctx.slot.trainable if k not in frozen)
+
+    def configure_train(self, round_idx: int, clients: Sequence[int], global_state: State) -> list[ClientTask]:
+        keys = self.round_keys(round_idx)
+        tasks = super().configure_train(round_idx, clients, global_state)
+        for task in tasks:
+            task.train_keys = keys
+            task.upload_keys = keys
+        return tasks
+
+    def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
+        keys = self.round_keys(round_idx)
+        middle = {str(j): round_robin_core(round_idx, j) for j in sorted(set(self.round_robin.values()))}
+        return {
+            "middle_core_by_num_cores": middle,
+            "trained_params": int(sum(global_state[k].numel() for k in keys)),
+        }

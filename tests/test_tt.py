@@ -1,0 +1,195 @@
+"""FedTT's tensor-train layer and tensorized adapters: exact math against tensorly, shapes,
+initialisation, placement on encoder / decoder / encoder-decoder models, bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorly as tl
+import torch
+
+from fedpeft.adapters.base import build_adapter
+from fedpeft.adapters.bottleneck import AdaptedLayer
+from fedpeft.adapters.tt import TTLinear, factorize, tt_contract, tt_layers, tt_shape
+from fedpeft.config import AdapterConfig, ConfigError, ModelConfig, build_config
+from fedpeft.data.types import Example, TaskData
+from fedpeft.engines.local import LocalEngine
+from fedpeft.experiment import prepare
+from fedpeft.models.backbone import load_backbone
+from fedpeft.models.encoding import encode_examples, training_batch
+from tests.conftest import tiny_raw_config
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a shared CPU two spinning threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+TASK = TaskData(name="toy", problem_type="classification", label_names=("neg", "pos"), metrics=("accuracy",))
+
+
+def dense_reference(layer: TTLinear) -> np.ndarray:
+    """W rebuilt independently: tensorly's TT-to-full, then the row-major IN x OUT reshape."""
+    cores = [c.detach().double().numpy() for c in layer.cores]
+    return tl.tt_to_tensor(cores).reshape(layer.in_features, layer.out_features)
+
+
+@pytest.mark.parametrize("in_features,out_features,modes,rank", [
+    (12, 6, [3, 4, 2, 3], 3),
+    (6, 12, [2, 3, 4, 3], 2),
+    (384, 64, [6, 8, 8, 8, 8], 5),
+    (64, 768, [8, 8, 12, 8, 8], 5),
+    (10, 10, [100], 4),  # one core: W is the core itself
+])
+def test_tt_layer_equals_x_times_dense_w_plus_b(in_features: int, out_features: int, modes: list[int],
+                                               rank: int) -> None:
+    torch.manual_seed(0)
+    layer = TTLinear(in_features, out_features, modes, rank).double()
+    with torch.no_grad():  # move the cores off their init so every entry matters
+        for core in layer.cores:
+            core.add_(torch.randn_like(core))
+    x = torch.randn(2, 3, in_features, dtype=torch.float64)
+    expected = x.numpy() @ dense_reference(layer) + layer.bias.detach().numpy()
+    np.testing.assert_allclose(layer(x).detach().numpy(), expected, rtol=1e-10, atol=1e-10)
+    assert [tuple(c.shape) for c in layer.cores] == [
+        (layer.ranks[j], k, layer.ranks[j + 1]) for j, k in enumerate(modes)
+    ]
+    assert layer.ranks[0] == layer.ranks[-1] == 1
+
+
+def test_contraction_is_eq1_on_small_cores() -> None:
+    # G_1 (1x2x2), G_2 (2x3x1): W[i1, i2] = sum_a G_1[0, i1, a] G_2[a, i2, 0]
+    g1 = torch.arange(4.0).reshape(1, 2, 2)
+    g2 = torch.arange(6.0).reshape(2, 3, 1) - 2
+    expected = torch.einsum("xia,ajy->ij", g1, g2).reshape(-1)
+    torch.testing.assert_close(tt_contract([g1, g2]), expected)
+
+
+def test_parameter_count_is_sum_of_core_sizes() -> None:
+    layer = TTLinear(768, 64, [8, 8, 12, 8, 8], 5)
+    cores = sum(c.numel() for c in layer.cores)
+    assert cores == 1 * 8 * 5 + 5 * 8 * 5 + 5 * 12 * 5 + 5 * 8 * 5 + 5 * 8 * 1
+    assert cores < 768 * 64 / 40
+
+
+def test_loretta_initialisation_scale() -> None:
+    """Every rebuilt entry has variance sigma^2 = 1 / (IN + OUT); the bias is U(+-1/sqrt(OUT))."""
+    mean_squares = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        layer = TTLinear(384, 64, [6, 8, 8, 8, 8], 5)
+        mean_squares.append(float(layer.weight_matrix().detach().pow(2).mean()))
+        assert float(layer.bias.detach().abs().max()) <= 1 / math.sqrt(64)
+    assert np.mean(mean_squares) == pytest.approx(1 / (384 + 64), rel=0.3)
+
+
+def test_shape_table_and_factorization_rule() -> None:
+    assert tt_shape(768, 64) == [8, 8, 12, 8, 8]
+    assert tt_shape(64, 768) == [8, 8, 12, 8, 8]
+    assert tt_shape(4096, 64) == [16, 16, 16, 4, 4, 4]
+    assert tt_shape(64, 4096) == [4, 4, 4, 16, 16, 16]
+    assert tt_shape(64, 1024) == [4, 8, 8, 8, 8, 4]
+    assert tt_shape(768, 768) == [12, 8, 8, 8, 8, 12]
+    # the rule reproduces the table's factors and covers MiniLM, GPT-2 and tiny sizes
+    assert factorize(768, 16) == [8, 8, 12]
+    assert factorize(4096, 16) == [16, 16, 16]
+    assert tt_shape(384, 64) == [6, 8, 8, 8, 8]
+    assert tt_shape(64, 384) == [8, 8, 6, 8, 8]
+    assert tt_shape(32, 8, max_mode=4) == [2, 4, 4, 2, 4]
+    for n in (384, 768, 4096, 32, 100, 1536):
+        assert math.prod(factorize(n, 16)) == n and max(factorize(n, 16)) <= 16
+    assert tt_shape(384, 64, overrides={"384x64": [24, 16, 64]}) == [24, 16, 64]
+
+
+def test_unfactorizable_size_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="prime factor 17") as err:
+        tt_shape(34, 64)
+    assert err.value.field == "adapter.tt_shapes"
+    assert tt_shape(34, 64, max_mode=17)[:2] == [2, 17]
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"tt_rank": 0}, "adapter.tt_rank"),
+    ({"tt_shapes": {"384x64": [6, 8, 8]}}, "adapter.tt_shapes"),
+    ({"tt_shapes": {"384-64": [6, 8, 8, 8, 8]}}, "adapter.tt_shapes"),
+    ({"tt_max_mode": 1}, "adapter.tt_max_mode"),
+    ({"tt_ranks": 5}, "adapter.tt_ranks"),
+])
+def test_bad_options_name_the_field(extra: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_adapter(AdapterConfig(kind="tt", **extra))
+    assert err.value.field == field
+
+
+# model -> (head, number of adapted layers) with 2 tiny layers per stack
+ARCHITECTURES = {
+    "tiny-bert": ("sequence_classification", 4),
+    "tiny-gpt2": ("sequence_classification", 4),
+    "tiny-llama": ("sequence_classification", 6),
+    "tiny-t5": ("seq2seq", 10),
+    "tiny-bart": ("seq2seq", 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_tensorized_adapters_on_every_architecture(name: str) -> None:
+    head, count = ARCHITECTURES[name]
+    backbone = load_backbone(ModelConfig(name=name, head=head), TASK, 0)
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_rank=3, train_head=False)).apply(backbone)
+    model = backbone.model
+    adapted = [m for m in model.modules() if isinstance(m, AdaptedLayer)]
+    layers = tt_layers(model)
+    assert len(adapted) == count and len(layers) == 2 * count
+    assert all(isinstance(m.adapter.down, TTLinear) and isinstance(m.adapter.up, TTLinear) for m in adapted)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    expected = {f"{layer}.cores.{j}" for layer, m in layers.items() for j in range(m.num_cores)}
+    expected |= {f"{layer}.bias" for layer in layers}
+    assert trainable == expected  # the cores and biases only: no dense adapter weight anywhere
+    assert not any(n.endswith("adapter.down.weight") for n, _ in model.named_parameters())
+
+    examples = [Example(texts=("the movie was good",), label=1), Example(texts=("awful plot",), label=0)]
+    data = encode_examples(examples, backbone.tokenizer, backbone.head, TASK, 16)
+    loss = model(**training_batch(data, [0, 1])).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_tensorized_classifier() -> None:
+    backbone = load_backbone(ModelConfig(name="tiny-bert"), TASK, 0)
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_classifier=True)).apply(backbone)
+    pooler = backbone.model.bert.pooler.dense
+    assert isinstance(pooler, TTLinear) and pooler.in_features == pooler.out_features == 32
+    assert all(p.requires_grad for p in pooler.parameters())
+    assert backbone.model.classifier.weight.requires_grad  # train_head
+
+    roberta = load_backbone(ModelConfig(name="tiny-roberta"), TASK, 0)
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_classifier=True)).apply(roberta)
+    assert isinstance(roberta.model.classifier.dense, TTLinear)
+
+    gpt2 = load_backbone(ModelConfig(name="tiny-gpt2"), TASK, 0)
+    with pytest.raises(ConfigError) as err:
+        build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_classifier=True)).apply(gpt2)
+    assert err.value.field == "adapter.tt_classifier"
+
+
+def test_fedtt_round_on_encoder_decoder(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="fedtt", rounds=1, model={"name": "tiny-t5"},
+                          adapter={"kind": "tt", "bottleneck_size": 8},
+                          task={"max_train_examples": 32, "max_eval_examples": 16})
+    exp = prepare(build_config(raw))
+    before = {k: v.clone() for k, v in exp.initial_state.items()}
+    engine = LocalEngine(exp, tmp_path / "run")
+    records = engine.run()
+    assert torch.isfinite(torch.tensor(records[0]["train_loss"]))
+    assert all(".cores." in k or k.endswith(".bias") for k in before)
+    assert any(not torch.equal(before[k], engine.final_state[k]) for k in before)
