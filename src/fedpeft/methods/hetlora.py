@@ -18,6 +18,7 @@ strategy here (FLASC's code uses the plain mean over clients; equal shards make 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -108,16 +109,14 @@ class HetLora(LoraFedAvg):
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
         """Train the rank-r_c LoRA: the padding is zero, and zero A rows / B columns get zero gradient."""
         shapes = {k: slot.params[k].shape for k in task.payload}
-        full = ClientTask(task.client_id, pad_lora(task.payload, shapes), task.train_keys, task.upload_keys,
-                          task.config)
+        full = replace(task, payload=pad_lora(task.payload, shapes))
         result, stats = train_client(slot, data, shard, full, self.cfg.client, seed, count_flops)
         result.update = slice_lora(result.update, int(task.config["rank"]))
         return result, stats
 
     def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
         shapes = {k: v.shape for k, v in global_state.items()}
-        padded = [ClientResult(r.client_id, pad_lora(r.update, shapes), r.num_samples, r.train_loss, r.metrics)
-                  for r in results]
+        padded = [replace(r, update=pad_lora(r.update, shapes)) for r in results]
         return super().aggregate(round_idx, global_state, padded)
 
     def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
