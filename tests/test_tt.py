@@ -191,5 +191,6 @@ def test_fedtt_round_on_encoder_decoder(toy_files: tuple[Path, Path], tmp_path: 
     engine = LocalEngine(exp, tmp_path / "run")
     records = engine.run()
     assert torch.isfinite(torch.tensor(records[0]["train_loss"]))
+    assert len(records[0]["clients"]) == 2  # cross-device: 2 of the 4 clients sampled
     assert all(".cores." in k or k.endswith(".bias") for k in before)
     assert any(not torch.equal(before[k], engine.final_state[k]) for k in before)
