@@ -58,7 +58,7 @@ class TaskConfig(_Strict):
     label_column: str | int | None = None
     label_names: list[str] | None = None
     label_map: dict[str, int] | None = None
-    problem_type: Literal["classification", "regression", "multiple_choice"] | None = None
+    problem_type: Literal["classification", "regression", "multiple_choice", "generation"] | None = None
     metrics: list[str] | None = None
     group_column: str | int | None = None
     hf_dataset: str | None = None
@@ -160,8 +160,13 @@ class EngineConfig(_Strict):
 
 
 class EvaluationConfig(_Strict):
+    """When and how the global model is evaluated. ``max_new_tokens`` and ``num_beams`` (1 = greedy)
+    bound the decoding of generation tasks; ``task.max_eval_examples`` bounds how many are generated."""
+
     every: PositiveInt = 1
     batch_size: PositiveInt = 64
+    max_new_tokens: PositiveInt = 64
+    num_beams: PositiveInt = 1
     per_client: bool = False
     at_start: bool = False
 

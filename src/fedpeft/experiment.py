@@ -27,7 +27,8 @@ from fedpeft.federated.codec import Codec, build_codec
 from fedpeft.federated.types import State
 from fedpeft.metrics.task_metrics import compute_metrics
 from fedpeft.models.backbone import Backbone, load_backbone
-from fedpeft.models.encoding import EncodedData, encode_examples, predict
+from fedpeft.models.encoding import EncodedData, GenerationSettings, encode_examples, predict
+from fedpeft.models.generation import evaluate_generation
 from fedpeft.recipes import RECIPES
 
 
@@ -78,6 +79,10 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     slot = ModelSlot(backbone.model, trainable_names(backbone.model))
     train_data = encode_examples(task.train, backbone.tokenizer, backbone.head, task, cfg.task.max_length)
     eval_data = encode_examples(task.eval, backbone.tokenizer, backbone.head, task, cfg.task.max_length)
+    for data in (train_data, eval_data):
+        if data.generation is not None:
+            data.generation = GenerationSettings(backbone.tokenizer, cfg.evaluation.max_new_tokens,
+                                                 cfg.evaluation.num_beams)
     ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=shards, train_data=train_data)
     algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
     initial_state = algorithm.initial_state(slot.read())
@@ -94,6 +99,8 @@ def evaluate(slot: ModelSlot, data: EncodedData, task: TaskData, state: State, b
     slot.load(state)
     slot.model.eval()
     order = list(range(len(data))) if indices is None else [int(i) for i in indices]
+    if data.generation is not None:
+        return evaluate_generation(slot.model, data, order, batch_size, task.metrics)
     preds = [predict(slot.model, data, order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
     predictions = torch.cat(preds).numpy()
     references = np.asarray([data.labels[i] for i in order])

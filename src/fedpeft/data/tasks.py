@@ -31,6 +31,7 @@ import pandas as pd
 
 from fedpeft.config import ConfigError, TaskConfig
 from fedpeft.data.types import Example, ProblemType, TaskData
+from fedpeft.metrics.rouge import ROUGE_METRICS
 from fedpeft.metrics.task_metrics import METRIC_NAMES
 
 SUBSAMPLE_SEED = 0
@@ -496,6 +497,30 @@ def _newsgroups(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
     return result[0], result[1]
 
 
+def _e2e_nlg(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
+    """E2E NLG (``e2e_nlg``): meaning representation -> restaurant description.
+
+    There is no train split in the data folder: training reads ``devset.csv`` (one example per
+    ``mr,ref`` row); evaluation reads ``testset_w_refs.csv`` with one example per distinct MR
+    (in first-appearance order) holding all of its references.
+    """
+    base = data_dir / "e2e_nlg"
+    train_frame = read_delimited(_require_file(base / "devset.csv"), ",", True, csv.QUOTE_MINIMAL, dtype=str)
+    test_frame = read_delimited(_require_file(base / "testset_w_refs.csv"), ",", True, csv.QUOTE_MINIMAL, dtype=str)
+    for path, frame in ((base / "devset.csv", train_frame), (base / "testset_w_refs.csv", test_frame)):
+        if list(frame.columns)[:2] != ["mr", "ref"]:
+            raise ConfigError("task.data_dir", f"{path}: expected columns mr, ref; got {list(frame.columns)}")
+    train = [
+        Example(texts=(_text(mr),), label=None, references=(_text(ref),))
+        for mr, ref in zip(train_frame["mr"].tolist(), train_frame["ref"].tolist())
+    ]
+    grouped: dict[str, list[str]] = {}
+    for mr, ref in zip(test_frame["mr"].tolist(), test_frame["ref"].tolist()):
+        grouped.setdefault(_text(mr), []).append(_text(ref))
+    evaluation = [Example(texts=(mr,), label=None, references=tuple(refs)) for mr, refs in grouped.items()]
+    return train, evaluation
+
+
 _BINARY_SENTIMENT = ("negative", "positive")
 _NLI_LABELS = ("entailment", "neutral", "contradiction")
 _ENTAILMENT_LABELS = ("entailment", "not_entailment")
@@ -638,6 +663,15 @@ BUILTIN_TASKS: dict[str, TaskSpec] = {
             eval_splits=("val",),
         ),
         TaskSpec(
+            name="e2e_nlg",
+            description="E2E NLG data-to-text generation (train: devset.csv; eval: testset_w_refs.csv, all refs)",
+            problem_type="generation",
+            label_names=(),
+            metrics=ROUGE_METRICS,
+            loader=_e2e_nlg,
+            eval_splits=("test",),
+        ),
+        TaskSpec(
             name="superglue_rte",
             description="SuperGLUE RTE entailment, JSONL (val.jsonl is the eval split)",
             problem_type="classification",
@@ -678,7 +712,8 @@ def _load_builtin(spec: TaskSpec, cfg: TaskConfig, data_dir: Path) -> TaskData:
             f"unknown split {eval_split!r} for {spec.name}; allowed: {', '.join(spec.eval_splits)}",
         )
     train, evaluation = spec.loader(data_dir, cfg, eval_split)
-    metrics = _check_metrics(cfg.metrics) if cfg.metrics else spec.metrics
+    allowed = ROUGE_METRICS if spec.problem_type == "generation" else METRIC_NAMES
+    metrics = _check_metrics(cfg.metrics, allowed) if cfg.metrics else spec.metrics
     return TaskData(spec.name, spec.problem_type, spec.label_names, metrics, train, evaluation)
 
 
@@ -770,7 +805,10 @@ def task_from_frames(
 
     The label set comes from the training table only; an eval label outside it is an error.
     ``class_names`` (e.g. a Hugging Face ``ClassLabel``) stands in for ``task.label_names``.
+    With ``problem_type: generation`` the label column holds target texts instead.
     """
+    if cfg.problem_type == "generation":
+        return _generation_task(cfg, name, train_frame, eval_frame, train_source, eval_source)
     if cfg.problem_type == "multiple_choice":
         raise ConfigError(
             "task.problem_type",
@@ -787,6 +825,30 @@ def task_from_frames(
     evaluation = _user_examples(eval_frame, columns["eval"], labels.encode_all(raw_eval, eval_source), cfg)
     metrics = _check_metrics(cfg.metrics) if cfg.metrics else _default_metrics(labels)
     return TaskData(name, labels.problem_type, labels.names, metrics, train, evaluation)
+
+
+def _generation_task(cfg: TaskConfig, name: str, train_frame: pd.DataFrame, eval_frame: pd.DataFrame,
+                     train_source: str, eval_source: str) -> TaskData:
+    """A text-to-text task: ``text_columns`` (joined) -> the target text in ``label_column``.
+
+    Training has one example per row; evaluation one per distinct input text, with the targets
+    of all its rows as references (the E2E NLG convention). Metrics: ROUGE.
+    """
+    splits = []
+    for frame, source, grouped in ((train_frame, train_source, False), (eval_frame, eval_source, True)):
+        columns = _task_columns(cfg, frame, source)
+        inputs = _joined(frame, columns.texts, cfg.join_with)
+        targets = [_text(value) for value in _raw_labels(frame, columns.label, source)]
+        if not grouped:
+            splits.append([Example(texts=(text,), label=None, references=(target,))
+                           for text, target in zip(inputs, targets)])
+            continue
+        references: dict[str, list[str]] = {}
+        for text, target in zip(inputs, targets):
+            references.setdefault(text, []).append(target)
+        splits.append([Example(texts=(text,), label=None, references=tuple(refs)) for text, refs in references.items()])
+    metrics = _check_metrics(cfg.metrics, ROUGE_METRICS) if cfg.metrics else ROUGE_METRICS
+    return TaskData(name, "generation", (), metrics, splits[0], splits[1])
 
 
 @dataclass(frozen=True)
@@ -1023,11 +1085,11 @@ def _joined(frame: pd.DataFrame, columns: Sequence[Hashable], separator: str) ->
     return [separator.join(_text(cell) for cell in row) for row in cells]
 
 
-def _check_metrics(metrics: Sequence[str]) -> tuple[str, ...]:
-    unknown = [name for name in metrics if name not in METRIC_NAMES]
+def _check_metrics(metrics: Sequence[str], allowed: Sequence[str] = METRIC_NAMES) -> tuple[str, ...]:
+    unknown = [name for name in metrics if name not in allowed]
     if unknown:
         raise ConfigError(
-            "task.metrics", f"unknown metric {unknown[0]!r}; allowed: {', '.join(METRIC_NAMES)}"
+            "task.metrics", f"unknown metric {unknown[0]!r}; allowed: {', '.join(allowed)}"
         )
     return tuple(metrics)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-ProblemType = Literal["classification", "regression", "multiple_choice"]
+ProblemType = Literal["classification", "regression", "multiple_choice", "generation"]
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,15 @@ class Example:
     ``texts`` holds one text or a pair. For multiple choice, ``texts[0]`` is the context and
     ``choices`` the candidate continuations; ``label`` is the index of the right one.
     ``group`` names the example's natural client (``partition.kind: natural``) when known.
+    For generation, ``label`` is None and ``references`` holds the target text(s): training
+    uses the first, evaluation scores a generated text against all of them.
     """
 
     texts: tuple[str, ...]
     label: int | float | None
     choices: tuple[str, ...] = ()
     group: str | None = None
+    references: tuple[str, ...] = ()
 
 
 @dataclass
@@ -36,7 +39,7 @@ class TaskData:
 
     @property
     def num_labels(self) -> int:
-        """Outputs of the head: classes, 1 for regression, 1 score per choice."""
+        """Outputs of the head: classes, 1 for regression, 1 score per choice (unused for generation)."""
         if self.problem_type == "classification":
             return len(self.label_names)
         return 1

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import fedpeft.metrics.flops  # noqa: F401  (lets FlopCounterMode see CPU fused attention)
 from fedpeft.config import ClientConfig
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.encoding import EncodedData, training_batch

@@ -123,6 +123,8 @@ def default_head(architecture: Architecture, task: TaskData) -> Head:
         return "multiple_choice"
     if architecture == "encoder_decoder":
         return "seq2seq"
+    if task.problem_type == "generation" and architecture == "decoder":
+        return "causal_lm"
     return "sequence_classification"
 
 
@@ -137,6 +139,9 @@ def _check_head(head: Head, architecture: Architecture, task: TaskData) -> None:
         raise ConfigError("model.head", "multiple_choice needs an encoder model and a multiple-choice task")
     if task.problem_type == "multiple_choice" and head != "multiple_choice":
         raise ConfigError("model.head", f"task {task.name!r} is multiple choice; use head multiple_choice")
+    if task.problem_type == "generation" and head not in ("seq2seq", "causal_lm"):
+        raise ConfigError("model.head", f"task {task.name!r} generates text: use an encoder-decoder (seq2seq) "
+                          "or a decoder (causal_lm) model")
 
 
 def _build_model(head: Head, source: str | None, config: PretrainedConfig, task: TaskData,

@@ -3,7 +3,8 @@
 Examples are tokenized once at start-up (no padding) and padded to the batch's longest
 sequence, so a round spends its time in the model, not in the tokenizer. Generative heads
 (``causal_lm``, ``seq2seq``) cast classification as text: the target is the label's name, and a
-prediction is the label whose text the model finds most likely (rank classification).
+prediction is the label whose text the model finds most likely (rank classification). Generation
+tasks train on each example's first reference text; :mod:`fedpeft.models.generation` decodes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from fedpeft.config import ConfigError
 from fedpeft.data.types import Example, TaskData
 from fedpeft.models.backbone import Head
 
@@ -23,14 +25,30 @@ PROMPT_SUFFIX = " Answer:"
 
 
 @dataclass
+class GenerationSettings:
+    """How a generation task's texts are decoded at evaluation: greedy when ``num_beams == 1``."""
+
+    tokenizer: PreTrainedTokenizerBase
+    max_new_tokens: int = 64
+    num_beams: int = 1
+
+
+@dataclass
 class EncodedData:
-    """Tokenized examples of one split; ``features[i]`` maps field name -> token ids."""
+    """Tokenized examples of one split; ``features[i]`` maps field name -> token ids.
+
+    Generation tasks also carry ``targets`` (token ids of each example's first reference, + eos),
+    ``references`` (every reference text, for ROUGE) and their decoding ``generation`` settings.
+    """
 
     features: list[dict[str, list[int]]]
     labels: list[int | float]
     head: Head
     pad_id: int
     label_targets: list[list[int]] | None = None
+    targets: list[list[int]] | None = None
+    references: list[tuple[str, ...]] | None = None
+    generation: GenerationSettings | None = None
 
     def __len__(self) -> int:
         return len(self.features)
@@ -47,8 +65,31 @@ def _prompt_text(example: Example) -> str:
     return " ".join(example.texts) + PROMPT_SUFFIX
 
 
+def _encode_generation(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, head: Head,
+                       max_length: int) -> EncodedData:
+    """Prompt = the input text(s) + :data:`PROMPT_SUFFIX`; target = the first reference + eos,
+    each truncated to ``max_length`` tokens."""
+    if head not in ("causal_lm", "seq2seq"):
+        raise ConfigError("model.head", f"generation needs a causal_lm or seq2seq head, not {head}")
+    missing = next((i for i, ex in enumerate(examples) if not ex.references), None)
+    if missing is not None:
+        raise ConfigError("task.name", f"generation example {missing} has no reference text")
+    prompts = tokenizer([_prompt_text(ex) for ex in examples], truncation=True, max_length=max_length,
+                        add_special_tokens=head == "seq2seq")
+    answers = tokenizer([" " + ex.references[0] for ex in examples], truncation=True,
+                        max_length=max(max_length - 1, 1), add_special_tokens=False)
+    targets = [[*ids, tokenizer.eos_token_id] for ids in answers["input_ids"]]
+    return EncodedData(
+        features=[{"input_ids": ids} for ids in prompts["input_ids"]], labels=[0] * len(examples), head=head,
+        pad_id=tokenizer.pad_token_id, targets=targets, references=[tuple(ex.references) for ex in examples],
+        generation=GenerationSettings(tokenizer),
+    )
+
+
 def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, head: Head,
                     task: TaskData, max_length: int) -> EncodedData:
+    if task.problem_type == "generation":
+        return _encode_generation(examples, tokenizer, head, max_length)
     labels = [ex.label if ex.label is not None else 0 for ex in examples]
     targets = label_targets(tokenizer, task) if head in ("causal_lm", "seq2seq") else None
     features: list[dict[str, list[int]]] = []
@@ -133,6 +174,8 @@ def _generative_batch(data: EncodedData, idx: Sequence[int], targets: Sequence[S
 
 def training_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
     """Model inputs with ``labels`` for the loss of this head."""
+    if data.targets is not None:
+        return _generative_batch(data, idx, [data.targets[i] for i in idx])
     if data.head in ("causal_lm", "seq2seq"):
         assert data.label_targets is not None
         return _generative_batch(data, idx, [data.label_targets[int(data.labels[i])] for i in idx])
