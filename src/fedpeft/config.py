@@ -84,12 +84,14 @@ class ModelConfig(_Strict):
     """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``."""
 
     name: str = "minilm"
-    head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice"] = "auto"
+    head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm"] = "auto"
     tokenizer: str | None = None
     attn_implementation: str | None = None
     tiny_hidden_size: PositiveInt = 32
     tiny_layers: PositiveInt = 2
     tiny_heads: PositiveInt = 4
+    template: str | None = None  # masked_lm: LM-BFF template with {0}, {1}, {mask} (default: per task)
+    label_words: list[str] | None = None  # masked_lm: one word per label (default: LM-BFF's per label name)
 
 
 class AdapterConfig(_Strict):

@@ -77,8 +77,10 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     torch.manual_seed(cfg.seed)
     build_adapter(cfg.adapter).apply(backbone)
     slot = ModelSlot(backbone.model, trainable_names(backbone.model))
-    train_data = encode_examples(task.train, backbone.tokenizer, backbone.head, task, cfg.task.max_length)
-    eval_data = encode_examples(task.eval, backbone.tokenizer, backbone.head, task, cfg.task.max_length)
+    train_data = encode_examples(task.train, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
+                                 template=backbone.template)
+    eval_data = encode_examples(task.eval, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
+                                template=backbone.template)
     for data in (train_data, eval_data):
         if data.generation is not None:
             data.generation = GenerationSettings(backbone.tokenizer, cfg.evaluation.max_new_tokens,

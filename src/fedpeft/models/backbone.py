@@ -17,6 +17,7 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -28,9 +29,10 @@ from transformers.utils import logging as hf_logging
 
 from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
+from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
 Architecture = Literal["encoder", "decoder", "encoder_decoder"]
-Head = Literal["sequence_classification", "causal_lm", "seq2seq", "multiple_choice"]
+Head = Literal["sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm"]
 
 TINY_ARCHS = ("bert", "roberta", "gpt2", "llama", "t5", "bart")
 _DECODER_TYPES = {"gpt2", "llama", "mistral", "qwen2", "gemma", "opt", "gpt_neox", "phi", "falcon"}
@@ -46,6 +48,7 @@ class Backbone:
     architecture: Architecture
     head: Head
     name: str
+    template: str | None = None  # masked_lm head: the LM-BFF template (None: chosen per example)
 
 
 def minilm_path() -> Path:
@@ -139,6 +142,9 @@ def _check_head(head: Head, architecture: Architecture, task: TaskData) -> None:
         raise ConfigError("model.head", "multiple_choice needs an encoder model and a multiple-choice task")
     if task.problem_type == "multiple_choice" and head != "multiple_choice":
         raise ConfigError("model.head", f"task {task.name!r} is multiple choice; use head multiple_choice")
+    if head == "masked_lm" and (architecture != "encoder" or task.problem_type != "classification"):
+        raise ConfigError("model.head", "masked_lm (template + label words) needs an encoder model and a "
+                          "classification task")
     if task.problem_type == "generation" and head not in ("seq2seq", "causal_lm"):
         raise ConfigError("model.head", f"task {task.name!r} generates text: use an encoder-decoder (seq2seq) "
                           "or a decoder (causal_lm) model")
@@ -157,6 +163,7 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
         "causal_lm": AutoModelForCausalLM,
         "seq2seq": AutoModelForSeq2SeqLM,
         "multiple_choice": AutoModelForMultipleChoice,
+        "masked_lm": AutoModelForMaskedLM,
     }[head]
     if source is None:
         return auto.from_config(config, **kwargs)
@@ -190,7 +197,12 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     model = _build_model(head, source, config, task, cfg.attn_implementation)
-    return Backbone(model=model, tokenizer=tokenizer, architecture=architecture, head=head, name=cfg.name)
+    template = None
+    if head == "masked_lm":
+        template = cfg.template or default_template(task.name)
+        model = verbalized_classifier(model, tokenizer, task.label_names, template, cfg.label_words)
+    return Backbone(model=model, tokenizer=tokenizer, architecture=architecture, head=head, name=cfg.name,
+                    template=template)
 
 
 def _ensure_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:

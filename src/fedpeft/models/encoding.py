@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from fedpeft.config import ConfigError
 from fedpeft.data.types import Example, TaskData
 from fedpeft.models.backbone import Head
+from fedpeft.models.verbalizer import encode_with_template
 
 IGNORE_INDEX = -100
 PROMPT_SUFFIX = " Answer:"
@@ -87,13 +88,15 @@ def _encode_generation(examples: Sequence[Example], tokenizer: PreTrainedTokeniz
 
 
 def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, head: Head,
-                    task: TaskData, max_length: int) -> EncodedData:
+                    task: TaskData, max_length: int, template: str | None = None) -> EncodedData:
     if task.problem_type == "generation":
         return _encode_generation(examples, tokenizer, head, max_length)
     labels = [ex.label if ex.label is not None else 0 for ex in examples]
     targets = label_targets(tokenizer, task) if head in ("causal_lm", "seq2seq") else None
     features: list[dict[str, list[int]]] = []
-    if head == "sequence_classification":
+    if head == "masked_lm":  # LM-BFF: the texts written into a template holding one mask token
+        features = [{"input_ids": encode_with_template(tokenizer, ex.texts, template, max_length)} for ex in examples]
+    elif head == "sequence_classification":
         firsts = [ex.texts[0] for ex in examples]
         seconds = [ex.texts[1] if len(ex.texts) > 1 else None for ex in examples]
         if any(s is not None for s in seconds):

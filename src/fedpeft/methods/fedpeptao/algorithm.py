@@ -1,0 +1,282 @@
+"""FedPepTAO (Che et al., EMNLP 2023): partial deep-prompt exchange chosen by layer scores and a Hessian
+eigen-gap ratio (Algorithm 1), with adaptive optimisation on device and server (Algorithm 2).
+
+Round flow (registered as algorithm ``fedpeptao``):
+
+* Rounds 1..t (``strategy.selection_round``, default 10): every prompt layer (and the task head) is
+  exchanged. A client scores the layers (Eq. 2-3, prompts switched off) on one batch of its data the
+  first time it is sampled, and sends the L scores with its reply; the server keeps each client's
+  latest scores. Alg. 1 loops over all devices; cross-device, only sampled devices are online, so
+  the scores come from every device sampled in rounds 1..t.
+* Round t: each sampled client also runs the Hessian test (Alg. 1 lines 3-10, see
+  :mod:`.hessian`) at the downloaded w^t and sends its ratio r_i. The server averages the ratios
+  and the scores (Eq. 4, weights n_i / N), ranks the layers and keeps the best until the selected
+  prompt parameters reach r of all of them (lines 15-19; at least ``min_layers``).
+* Rounds > t: only the selected layers and the head cross the wire (the payload and the upload hold
+  only those keys, so the codec's bytes shrink). Every client keeps its full prompt on the device:
+  its unselected layers continue from its own last local training and never leave it. A client
+  sampled for the first time after round t holds no prompt yet and gets the full one once (bytes
+  counted). The server's global state keeps the unselected layers as they were at round t; the
+  global model evaluated each round is that state.
+* Every round: the device trains all its prompt layers and the head with Adam, moments reset (the
+  client optimizer is rebuilt each round: Alg. 2 lines 5-9); the server applies Alg. 2 lines 12-25
+  (:mod:`.server`) to the exchanged keys, head included.
+
+Client-side state (each device's prompt) lives in this object in the local engine; it and the
+server state (control variates per device, momentum, previous update, scores, selection) are
+checkpointed. The per-client probe results travel in ``ClientResult.metrics`` (L + 4 floats).
+
+Options (``strategy.*``; ``server_lr`` is eta^1 and ``server_momentum`` beta): ``layer_selection``
+(false: every layer always, the MomS+AdamD baseline), ``selection_round`` (t), ``score_kernel``
+(``batch`` | ``layers``), ``score_batch_size``, ``score_eps``, ``ratio_rule`` (``eigengap`` |
+``density``), ``fixed_ratio`` (skip the Hessian test and use this r: ablations, cheap runs),
+``hessian_batch_size``, ``lanczos_iterations``, ``lanczos_probes``, ``min_layers``,
+``control_variates``, ``server_base`` (``aggregate`` | ``previous``), ``server_variant``
+(``paper`` | ``released``), ``server_lr_decay``, ``server_lr_min``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedpeft.adapters.prompts import prefix_layer_keys, prompts_disabled
+from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
+from fedpeft.federated.client import ModelSlot, TrainStats, train_client
+from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.methods.fedpeptao.hessian import (
+    RatioProbe,
+    density_ratio,
+    eigengap_ratio,
+    flat,
+    hessian_vector_product,
+    secant_lipschitz,
+    slq_density,
+)
+from fedpeft.methods.fedpeptao.scoring import (
+    aggregate_scores,
+    batch_kernel_scores,
+    layer_kernel_scores,
+    select_layers,
+)
+from fedpeft.methods.fedpeptao.server import AdaptiveServer, AdaptiveServerOptions, ClientDelta
+from fedpeft.models.encoding import EncodedData, training_batch
+from fedpeft.seeding import derive_seed
+
+SCORE_PREFIX = "layer_score."
+
+
+class FedPepTAOOptions(BaseModel):
+    """FedPepTAO's extra ``strategy.*`` fields (``server_lr`` = eta^1, ``server_momentum`` = beta)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    layer_selection: bool = True
+    selection_round: int = Field(10, ge=1)
+    score_kernel: Literal["batch", "layers"] = "batch"
+    score_batch_size: int = Field(8, ge=2)
+    score_eps: float = Field(1e-5, gt=0)
+    ratio_rule: Literal["eigengap", "density"] = "eigengap"
+    fixed_ratio: float | None = Field(None, gt=0, le=1)
+    hessian_batch_size: int = Field(8, ge=1)
+    lanczos_iterations: int = Field(50, ge=2)
+    lanczos_probes: int = Field(1, ge=1)
+    min_layers: int = Field(1, ge=1)
+    control_variates: bool = True
+    server_base: Literal["aggregate", "previous"] = "aggregate"
+    server_variant: Literal["paper", "released"] = "paper"
+    server_lr_decay: float = Field(1.0, gt=0, le=1)
+    server_lr_min: float = Field(0.0, ge=0)
+
+
+def parse_options(cfg: ExperimentConfig) -> FedPepTAOOptions:
+    try:
+        return FedPepTAOOptions.model_validate(cfg.strategy.model_extra or {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"strategy.{first['loc'][0]}", first["msg"]) from None
+
+
+@register_algorithm
+class FedPepTAO(Algorithm):
+    name = "fedpeptao"
+
+    def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
+        super().__init__(cfg, ctx)
+        self.options = parse_options(cfg)
+        self.layer_keys = prefix_layer_keys(ctx.backbone.model)
+        self.other_keys = [k for k in ctx.slot.trainable if k not in self.layer_keys]
+        self.server = AdaptiveServer(AdaptiveServerOptions(
+            beta=cfg.strategy.server_momentum, lr=cfg.strategy.server_lr, lr_decay=self.options.server_lr_decay,
+            lr_min=self.options.server_lr_min, local_lr=cfg.client.lr, num_devices=cfg.partition.num_clients,
+            control_variates=self.options.control_variates, base=self.options.server_base,
+            variant=self.options.server_variant))
+        self.selected: list[int] | None = None
+        self.ratio: float | None = None
+        self.client_scores: dict[int, torch.Tensor] = {}
+        self.client_samples: dict[int, int] = {}
+        self.global_scores: torch.Tensor | None = None
+        self.client_prompts: dict[int, State] = {}  # device side: each client's own full prompt
+        self.initial_prompts: State = {}
+
+    # ----- server side -------------------------------------------------------------------------
+    def initial_state(self, state: State) -> State:
+        self.initial_prompts = {k: state[k].clone() for k in self.layer_keys}
+        return state
+
+    def exchanged_keys(self) -> list[str]:
+        if self.selected is None:
+            return [*self.layer_keys, *self.other_keys]
+        return [*(self.layer_keys[i] for i in self.selected), *self.other_keys]
+
+    def configure_train(self, round_idx: int, clients: Sequence[int], global_state: State) -> list[ClientTask]:
+        exchanged = self.exchanged_keys()
+        tasks = []
+        for client in clients:
+            keys = list(exchanged)
+            if self.selected is not None and client not in self.client_prompts:
+                keys = [*self.layer_keys, *self.other_keys]  # a newcomer gets its first full prompt once
+            config = dict(self.strategy.client_config())
+            before_selection = self.options.layer_selection and self.selected is None
+            config["probe_scores"] = before_selection and client not in self.client_scores
+            config["probe_ratio"] = before_selection and round_idx == self.options.selection_round
+            tasks.append(ClientTask(client_id=client, payload={k: global_state[k] for k in keys},
+                                    upload_keys=frozenset(exchanged), config=config))
+        return tasks
+
+    def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
+        replies = [ClientDelta(r.client_id, r.update, r.num_samples, int(r.metrics.get("steps", 1)))
+                   for r in results]
+        new_state = self.server.step(round_idx, global_state, replies)
+        for r in results:
+            scores = [r.metrics[f"{SCORE_PREFIX}{i}"] for i in range(len(self.layer_keys))
+                      if f"{SCORE_PREFIX}{i}" in r.metrics]
+            if len(scores) == len(self.layer_keys):
+                self.client_scores[r.client_id] = torch.tensor(scores)
+                self.client_samples[r.client_id] = r.num_samples
+        ratios = [(r.metrics["prompt_ratio"], r.num_samples) for r in results if "prompt_ratio" in r.metrics]
+        if self.options.layer_selection and round_idx == self.options.selection_round and self.options.fixed_ratio:
+            ratios = [(self.options.fixed_ratio, 1)]
+        if ratios:
+            self._select(ratios)
+        return new_state
+
+    def _select(self, ratios: Sequence[tuple[float, int]]) -> None:
+        """Alg. 1 lines 15-19 on the server."""
+        total = float(sum(n for _, n in ratios))
+        self.ratio = float(sum(r * n for r, n in ratios) / total)
+        clients = sorted(self.client_scores)
+        global_scores = aggregate_scores([self.client_scores[c] for c in clients],
+                                         [self.client_samples[c] for c in clients])
+        sizes = [self.initial_prompts[k].numel() for k in self.layer_keys]
+        self.selected = select_layers(global_scores, self.ratio, sizes, self.options.min_layers)
+        self.global_scores = global_scores
+        self.server.forget([k for i, k in enumerate(self.layer_keys) if i not in self.selected])
+
+    def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
+        metrics: dict[str, Any] = {
+            "exchanged_layers": [i for i, k in enumerate(self.layer_keys) if k in set(self.exchanged_keys())],
+            "server_lr": self.server.learning_rate(round_idx),
+            "scored_clients": len(self.client_scores),
+        }
+        if self.selected is not None and self.global_scores is not None:
+            metrics["selected_layers"] = list(self.selected)
+            metrics["ratio"] = self.ratio
+            metrics["global_scores"] = [float(s) for s in self.global_scores]
+        return metrics
+
+    # ----- device side -------------------------------------------------------------------------
+    def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
+                      seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
+        own = self.client_prompts.get(task.client_id)
+        if own is not None:  # the device's own copy of the layers the server did not send
+            slot.load({k: v for k, v in own.items() if k not in task.payload})
+        slot.load(task.payload)
+        probes: dict[str, float] = {}
+        rng = np.random.default_rng(derive_seed(seed, "fedpeptao-probe"))
+        if task.config.get("probe_scores"):
+            probes.update(self.score_layers(slot, data, shard, rng))
+        if task.config.get("probe_ratio") and self.options.fixed_ratio is None:
+            probe = self.hessian_ratio(slot, data, shard, rng, seed)
+            probes.update(prompt_ratio=probe.ratio, lipschitz=probe.lipschitz, hessian_lambda_min=probe.lambda_min,
+                          hessian_lambda_max=probe.lambda_max)
+        result, stats = train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+        self.client_prompts[task.client_id] = slot.read(self.layer_keys)
+        result.metrics.update(probes)
+        return result, stats
+
+    def _probe_batch(self, data: EncodedData, shard: np.ndarray, size: int, rng: np.random.Generator
+                     ) -> dict[str, torch.Tensor]:
+        chosen = rng.choice(len(shard), size=min(size, len(shard)), replace=False)
+        return training_batch(data, [int(shard[i]) for i in sorted(chosen)])
+
+    @torch.no_grad()
+    def score_layers(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, rng: np.random.Generator
+                     ) -> dict[str, float]:
+        """Eq. 2-3 on one batch of this client's data, run without prompts."""
+        batch = self._probe_batch(data, shard, self.options.score_batch_size, rng)
+        batch.pop("labels")
+        slot.model.eval()
+        with prompts_disabled(slot.model):
+            hidden = slot.model(**batch, output_hidden_states=True).hidden_states[1:]
+        mask = batch["attention_mask"]
+        kernel = batch_kernel_scores if self.options.score_kernel == "batch" else layer_kernel_scores
+        scores = kernel(hidden, mask, self.options.score_eps)
+        return {f"{SCORE_PREFIX}{i}": float(s) for i, s in enumerate(scores)}
+
+    def hessian_ratio(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, rng: np.random.Generator,
+                      seed: int) -> RatioProbe:
+        """Alg. 1 lines 3-10 on one batch: SLQ spectrum of the prompt Hessian at w^t, then the ratio rule."""
+        batch = self._probe_batch(data, shard, self.options.hessian_batch_size, rng)
+        params = [slot.params[k] for k in self.layer_keys]
+        current = [p.detach().clone() for p in params]
+        slot.model.eval()
+        with torch.enable_grad():
+            for p in params:
+                p.requires_grad_(True)
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # twice differentiable
+                gradient, matvec = hessian_vector_product(slot.model(**batch).loss, params)
+                delta = flat([self.initial_prompts[k] for k in self.layer_keys]) - flat(current)  # line 3
+                hessian_delta = matvec(delta)
+                generator = torch.Generator().manual_seed(derive_seed(seed, "fedpeptao-lanczos"))
+                nodes, weights = slq_density(matvec, delta.numel(), self.options.lanczos_iterations,
+                                             self.options.lanczos_probes, generator)
+                slot.load(self.initial_prompts)
+                shifted = flat(torch.autograd.grad(slot.model(**batch).loss, params))  # grad F(w^t + Delta)
+                slot.load(dict(zip(self.layer_keys, current)))
+        lipschitz = secant_lipschitz(hessian_delta, gradient, shifted.detach(), delta)
+        if self.options.ratio_rule == "eigengap":
+            ratio = eigengap_ratio(nodes, weights, lipschitz, delta.numel())
+        else:
+            ratio = density_ratio(nodes, weights)
+        return RatioProbe(ratio, lipschitz, float(nodes.min()), float(nodes.max()), delta.numel())
+
+    # ----- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["fedpeptao"] = {
+            "server": self.server.state_dict(),
+            "selected": self.selected,
+            "ratio": self.ratio,
+            "global_scores": self.global_scores,
+            "client_scores": {str(c): s for c, s in self.client_scores.items()},
+            "client_samples": {str(c): n for c, n in self.client_samples.items()},
+            "client_prompts": {str(c): s for c, s in self.client_prompts.items()},
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        own = state["fedpeptao"]
+        self.server.load_state_dict(own["server"])
+        self.selected = None if own["selected"] is None else [int(i) for i in own["selected"]]
+        self.ratio = own["ratio"]
+        self.global_scores = own["global_scores"]
+        self.client_scores = {int(c): s for c, s in own["client_scores"].items()}
+        self.client_samples = {int(c): int(n) for c, n in own["client_samples"].items()}
+        self.client_prompts = {int(c): dict(s) for c, s in own["client_prompts"].items()}

@@ -1,0 +1,190 @@
+"""The Hessian eigen-gap test of FedPepTAO's Algorithm 1 (lines 3-10), without ever forming a Hessian.
+
+The Hessian of a client's loss with respect to its prompt parameters (K of them, ~10^5) is only
+touched through Hessian-vector products (Pearlmutter's double backward, :func:`hessian_vector_product`).
+Its spectrum is estimated by Lanczos with full re-orthogonalisation: m iterations give a
+tridiagonal T_m whose eigenvalues (Ritz values) and squared first eigenvector components form the
+stochastic Lanczos quadrature (SLQ) density, as in PyHessian, which the paper and the released code
+use. With m = K the Ritz values are the exact eigenvalues (the tests check this against
+``torch.linalg.eigvalsh`` of a dense Hessian on a tiny model). ``scipy.sparse.linalg.eigsh`` with
+a ``LinearOperator`` gives the extreme eigenvalues (:func:`extreme_eigenvalues`), used to cross-check.
+
+Ratio rules (both return r in [0, 1], the fraction of prompt parameters to keep exchanging):
+
+* ``eigengap`` (Alg. 1): eigenvalues sorted ascending, k = the first index with
+  lambda_{k+1} - lambda_k > 4 L, r = (K - k) / K. Lanczos resolves only the extremes of a spectrum
+  of ~10^5 eigenvalues, so the K eigenvalues are read off the SLQ density
+  (:func:`spectrum_from_density`: each Ritz value's K * weight eigenvalues spread evenly around it)
+  and Alg. 1 runs on that list; gaps between two Ritz values of the bulk are not eigen-gaps. L is the
+  constant of the "base function" B(Delta) = H(w^t) Delta - grad F(w^t + Delta) of line 7 (the paper
+  writes H(w^t) - grad F, a matrix minus a vector: we read H(w^t) as the linear map it defines).
+  We estimate it by the secant between 0 and the client's own Delta_i = w - w^t (line 3):
+  L = ||H(w^t) Delta - (grad F(w^t + Delta) - grad F(w^t))|| / ||Delta||, two gradients and one
+  Hessian-vector product. When no gap is that large the spectrum has no such split and r = 1.
+* ``density`` (released code, ``get_ratio.py``): r(t) = 1 - (SLQ density mass below t), the density
+  smoothed by Gaussians of variance 1e-5 * max(1, spectrum width); t rises from 0 in steps of 0.1
+  until three successive changes of r are below 0.005; if r falls under half its first value the
+  scan restarts with half the step. We integrate the Gaussians exactly (normal CDF) instead of on a
+  10,000-point grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.sparse.linalg import LinearOperator, eigsh
+
+Matvec = Callable[[torch.Tensor], torch.Tensor]
+
+
+def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def hessian_vector_product(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Matvec]:
+    """The flat gradient of ``loss`` and v -> H v (H = d^2 loss / d params^2), by double backward.
+
+    The gradient graph is built once; every product is one more backward pass through it.
+    """
+    grads = torch.autograd.grad(loss, list(params), create_graph=True)
+    gradient = flat(grads)
+
+    def matvec(vector: torch.Tensor) -> torch.Tensor:
+        vector = vector.to(gradient.dtype)
+        product = torch.autograd.grad(gradient, list(params), grad_outputs=vector, retain_graph=True)
+        return flat(product).detach()
+
+    return gradient.detach(), matvec
+
+
+def lanczos(matvec: Matvec, dim: int, iterations: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Ritz values and SLQ weights (squared first components) of ``min(iterations, dim)`` Lanczos steps.
+
+    Full re-orthogonalisation (twice, in float64) keeps the basis orthogonal, so no ghost copies of
+    converged eigenvalues appear. Stops early on an invariant subspace (beta ~ 0).
+    """
+    steps = min(iterations, dim)
+    start = torch.randn(dim, generator=generator, dtype=torch.float64)
+    basis = [start / start.norm()]
+    alphas: list[float] = []
+    betas: list[float] = []
+    for j in range(steps):
+        w = matvec(basis[j].to(torch.float32)).to(torch.float64)
+        alpha = float(w @ basis[j])
+        alphas.append(alpha)
+        stacked = torch.stack(basis)
+        for _ in range(2):
+            w = w - stacked.T @ (stacked @ w)
+        beta = float(w.norm())
+        if j == steps - 1 or beta < 1e-10 * max(1.0, abs(alpha)):
+            break
+        betas.append(beta)
+        basis.append(w / beta)
+    tridiagonal = np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1)
+    values, vectors = np.linalg.eigh(tridiagonal)
+    return values, vectors[0] ** 2
+
+
+def slq_density(matvec: Matvec, dim: int, iterations: int, probes: int, generator: torch.Generator
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Spectral density as (nodes, weights summing to 1), averaged over ``probes`` random starts."""
+    nodes, weights = [], []
+    for _ in range(probes):
+        values, mass = lanczos(matvec, dim, iterations, generator)
+        nodes.append(values)
+        weights.append(mass / probes)
+    return np.concatenate(nodes), np.concatenate(weights)
+
+
+def extreme_eigenvalues(matvec: Matvec, dim: int, k: int, which: str = "LA") -> np.ndarray:
+    """k extreme eigenvalues through scipy's ARPACK ``eigsh`` on a ``LinearOperator`` (sorted ascending)."""
+    operator = LinearOperator((dim, dim), dtype=np.float64,
+                              matvec=lambda v: matvec(torch.from_numpy(np.asarray(v, dtype=np.float64).ravel()))
+                              .to(torch.float64).numpy())
+    return np.sort(eigsh(operator, k=k, which=which, return_eigenvectors=False))
+
+
+def secant_lipschitz(hessian_times_delta: torch.Tensor, gradient_at_current: torch.Tensor,
+                     gradient_at_shifted: torch.Tensor, delta: torch.Tensor) -> float:
+    """L of B(D) = H(w^t) D - grad F(w^t + D) between D = 0 and D = delta (Alg. 1 lines 7-8)."""
+    norm = float(delta.norm())
+    if norm == 0.0:
+        return 0.0
+    change = hessian_times_delta - (gradient_at_shifted - gradient_at_current)
+    return float(change.norm()) / norm
+
+
+def spectrum_from_density(nodes: np.ndarray, weights: np.ndarray, dimension: int) -> np.ndarray:
+    """K eigenvalues read off an SLQ density: node j's K * w_j eigenvalues spread evenly over
+    [theta_j - d_j, theta_j + d_j] (d_j = half the distance to its nearest neighbour node), eigenvalue k
+    at the (k - 1/2) / K quantile. A node holding about one eigenvalue (a converged outlier) gives
+    it at theta_j; with K nodes of weight 1/K this returns the nodes themselves."""
+    order = np.argsort(nodes, kind="stable")
+    theta, mass = nodes[order], weights[order] / weights.sum()
+    if theta.size == 1:
+        return np.full(dimension, theta[0])
+    spacing = np.diff(theta)
+    half = 0.5 * np.minimum(np.concatenate([[np.inf], spacing]), np.concatenate([spacing, [np.inf]]))
+    quantiles = (np.arange(dimension) + 0.5) / dimension
+    upper = np.cumsum(mass)
+    cell = np.minimum(np.searchsorted(upper, quantiles, side="left"), theta.size - 1)
+    within = (quantiles - (upper[cell] - mass[cell])) / np.maximum(mass[cell], 1e-300)
+    return theta[cell] - half[cell] + 2 * half[cell] * np.clip(within, 0.0, 1.0)
+
+
+def eigengap_ratio(nodes: np.ndarray, weights: np.ndarray, lipschitz: float, dimension: int | None = None
+                   ) -> float:
+    """Alg. 1 lines 6, 9, 10: (K - k) / K for the first k with lambda_{k+1} - lambda_k > 4 L (1 if none).
+
+    ``nodes``/``weights`` are the exact eigenvalues with equal weights, or an SLQ density whose K
+    (``dimension``) eigenvalues are reconstructed by :func:`spectrum_from_density`.
+    """
+    dimension = dimension or nodes.size
+    eigenvalues = spectrum_from_density(nodes, weights, dimension)
+    wide = np.nonzero(np.diff(eigenvalues) > 4.0 * lipschitz)[0]
+    if wide.size == 0:
+        return 1.0
+    k = int(wide[0]) + 1
+    return (dimension - k) / dimension
+
+
+def density_ratio(nodes: np.ndarray, weights: np.ndarray, start: float = 0.0, step: float = 0.1,
+                  tolerance: float = 0.005, sigma_squared: float = 1e-5, max_passes: int = 30) -> float:
+    """The released code's rule: 1 - density mass below a threshold raised until the ratio is stable."""
+    weights = weights / weights.sum()
+    width = float(nodes.max() - nodes.min()) + 0.02
+    scale = math.sqrt(sigma_squared * max(1.0, width))
+
+    def ratio(threshold: float) -> float:
+        z = (threshold - nodes) / (scale * math.sqrt(2.0))
+        below = float((weights * 0.5 * (1.0 + np.vectorize(math.erf)(z))).sum())
+        return 1.0 - below
+
+    ratios = [ratio(start)]
+    for _ in range(max_passes):
+        threshold, ratios = start, [ratio(start)]
+        while True:
+            threshold += step
+            ratios.append(ratio(threshold))
+            if ratios[-1] < ratios[0] / 2:
+                break
+            recent = np.abs(np.diff(ratios[-4:]))
+            if len(ratios) >= 4 and bool((recent < tolerance).all()):
+                return ratios[-1]
+        step /= 2
+    return ratios[-1]
+
+
+@dataclass
+class RatioProbe:
+    """What one client reports from the Hessian test (Alg. 1 lines 3-10)."""
+
+    ratio: float
+    lipschitz: float
+    lambda_min: float
+    lambda_max: float
+    dimension: int
