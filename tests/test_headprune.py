@@ -246,6 +246,8 @@ def test_bad_head_pruning_options_name_the_field(toy_files: tuple[Path, Path], t
         tiny_experiment(toy_files, tmp_path, strategy={"clients_per_round": 2, "head_sparsity": 1.5})
     with pytest.raises(ConfigError, match=r"strategy\.head_pruning"):
         tiny_experiment(toy_files, tmp_path, strategy={"clients_per_round": 2, "head_pruning": "magnitude"})
+    with pytest.raises(ConfigError, match=r"strategy\.head_sparcity"):
+        tiny_experiment(toy_files, tmp_path, strategy={"clients_per_round": 2, "head_sparcity": 0.5})
 
 
 def test_aggregate_rejects_scores_of_wrong_shape(toy_files: tuple[Path, Path], tmp_path: Path) -> None:

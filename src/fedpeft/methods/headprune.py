@@ -91,8 +91,13 @@ class HeadPruneOptions(BaseModel):
 
     @classmethod
     def from_strategy(cls, cfg: StrategyConfig) -> HeadPruneOptions:
+        extra = cfg.model_extra or {}
+        for key in extra:  # the strategy section allows extras: catch misspellings of ours
+            if key.startswith(("head_", "importance_", "pruning_", "aggregation_")) and key not in cls.model_fields:
+                allowed = ", ".join(cls.model_fields)
+                raise ConfigError(f"strategy.{key}", f"unknown head-pruning option; allowed: {allowed}")
         try:
-            return cls.model_validate(cfg.model_extra or {})
+            return cls.model_validate(extra)
         except ValidationError as err:
             first = err.errors()[0]
             field = ".".join(str(p) for p in first["loc"])
