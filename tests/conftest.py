@@ -63,3 +63,11 @@ def tiny_raw_config(train: Path, eval_: Path, run_dir: Path, **sections: Any) ->
         else:
             raw[key] = value
     return raw
+
+
+TIMING_FIELDS = ("time", "cum_wall_seconds", "client_seconds")
+
+
+def without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records minus wall-clock measurements, which differ between identical runs."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]

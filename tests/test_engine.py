@@ -13,7 +13,7 @@ from fedpeft.config import build_config
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.metrics.recorder import CheckpointError, load_metrics
-from tests.conftest import tiny_raw_config
+from tests.conftest import tiny_raw_config, without_timing
 
 
 def run(raw: dict, resume: bool = False) -> tuple[LocalEngine, list[dict]]:
@@ -63,11 +63,8 @@ def test_resume_is_bit_identical(toy_files: tuple[Path, Path], tmp_path: Path) -
     part_raw["rounds"] = 4
     resumed_engine, resumed_records = run(part_raw, resume=True)
 
-    def strip(records: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if k not in ("time", "cum_wall_seconds")} for r in records]
-
-    assert strip(resumed_records) == strip(full_records)
-    assert strip(load_metrics(tmp_path / "part")) == strip(full_records)
+    assert without_timing(resumed_records) == without_timing(full_records)
+    assert without_timing(load_metrics(tmp_path / "part")) == without_timing(full_records)
     for key, value in full_engine.final_state.items():
         assert torch.equal(value, resumed_engine.final_state[key]), key
 

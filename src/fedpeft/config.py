@@ -138,6 +138,10 @@ class StrategyConfig(_Strict):
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
     tau: PositiveFloat = 1e-3
     proximal_mu: Annotated[float, Field(ge=0)] = 0.0
+    robust: Literal["none", "clip", "median", "trimmed_mean"] = "none"
+    clip_norm: PositiveFloat = 1.0
+    trim_fraction: Annotated[float, Field(ge=0, lt=0.5)] = 0.1
+    max_update_bytes: PositiveInt | None = None
 
 
 class DirectionCodecConfig(_Strict):
@@ -161,6 +165,22 @@ class EngineConfig(_Strict):
     measure_flops: Literal["first_round", "every_round", "never"] = "first_round"
 
 
+class NetworkConfig(_Strict):
+    """Simulated links for the time model (:mod:`fedpeft.federated.timing`); nothing is slowed down.
+
+    Per client: ``down_mbps``/``up_mbps`` bandwidth, ``latency_ms`` per message, either the same
+    for everyone (``constant``) or drawn per round and client (``lognormal`` with sigma ``spread``).
+    ``compute_scale`` multiplies the measured client compute time (slower or faster devices).
+    """
+
+    down_mbps: PositiveFloat = 10.0
+    up_mbps: PositiveFloat = 1.0
+    latency_ms: Annotated[float, Field(ge=0)] = 0.0
+    distribution: Literal["constant", "lognormal"] = "constant"
+    spread: Annotated[float, Field(ge=0)] = 0.5
+    compute_scale: PositiveFloat = 1.0
+
+
 class EvaluationConfig(_Strict):
     """When and how the global model is evaluated. ``max_new_tokens`` and ``num_beams`` (1 = greedy)
     bound the decoding of generation tasks; ``task.max_eval_examples`` bounds how many are generated."""
@@ -179,6 +199,24 @@ class OutputConfig(_Strict):
     progress: bool = True
 
 
+class FaultConfig(_Strict):
+    """A fault injected into simulated clients (local engine), to test what the server survives.
+
+    Update faults corrupt the reply (``nan``, ``inf``, ``wrong_shape``, ``unknown_key``,
+    ``missing_key``, ``oversize``, ``zero_samples``, ``huge`` = x1e6); ``raise`` makes the client
+    fail; ``dropout`` makes it vanish; ``straggler`` multiplies its compute time by ``slowdown``
+    in the time model. ``clients``/``rounds`` restrict where (None: anywhere); ``probability``
+    draws per client and round from a seeded generator.
+    """
+
+    kind: Literal["nan", "inf", "wrong_shape", "unknown_key", "missing_key", "oversize", "zero_samples", "huge",
+                  "raise", "dropout", "straggler"]
+    clients: list[int] | None = None
+    rounds: list[int] | None = None
+    probability: Density = 1.0
+    slowdown: PositiveFloat = 4.0
+
+
 class ExperimentConfig(_Strict):
     """A whole experiment. ``method`` picks a recipe; ``rounds`` federated rounds from ``seed``."""
 
@@ -193,8 +231,10 @@ class ExperimentConfig(_Strict):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     codec: CodecConfig = Field(default_factory=CodecConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    faults: list[FaultConfig] = Field(default_factory=list)
 
     @field_validator("method")
     @classmethod

@@ -9,7 +9,7 @@ state is evaluated every ``evaluation.every`` rounds; the round is recorded and 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +18,14 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fedpeft.config import FaultConfig
 from fedpeft.data.partition import describe_partition
 from fedpeft.experiment import Experiment, evaluate
+from fedpeft.federated.codec import CodecError
+from fedpeft.federated.faults import UPDATE_FAULTS, ClientCrashed, active_faults, corrupt
+from fedpeft.federated.timing import simulate_round
 from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.federated.validation import RoundFailed, check_update, expected_upload_shapes
 from fedpeft.metrics.recorder import Recorder, resume_fingerprint
 from fedpeft.seeding import derive_seed, rng_for
 
@@ -38,8 +43,14 @@ class ClientRun:
     flops_per_step: int | None
 
 
-def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: bool) -> ClientRun:
-    """Encode down, train, encode up. Shared by every engine's client side."""
+def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: bool,
+               faults: Sequence[FaultConfig] = ()) -> ClientRun:
+    """Encode down, train, encode up. Shared by every engine's client side.
+
+    ``faults`` (simulation only) crash the client, corrupt its reply or slow it down.
+    """
+    if any(f.kind == "raise" for f in faults):
+        raise ClientCrashed(f"injected failure of client {task.client_id}")
     t0 = time.perf_counter()
     message = exp.down_codec.encode(task.payload)
     task.payload = exp.down_codec.decode(message)
@@ -50,6 +61,11 @@ def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: b
     seed = derive_seed(exp.cfg.seed, "client", round_idx, task.client_id)
     shard = exp.shards[task.client_id]
     result, stats = exp.algorithm.client_update(exp.slot, exp.train_data, shard, task, seed, count_flops)
+    for fault in faults:
+        if fault.kind in UPDATE_FAULTS:
+            result = corrupt(result, fault.kind)
+        elif fault.kind == "straggler":
+            stats.total_seconds *= fault.slowdown
     t0 = time.perf_counter()
     up_message = exp.up_codec.encode(result.update)
     result.update = exp.up_codec.decode(up_message)
@@ -77,13 +93,49 @@ class LocalEngine:
         mode = self.exp.cfg.engine.measure_flops
         return mode == "every_round" or (mode == "first_round" and round_idx == first_round)
 
+    def _run_clients(self, round_idx: int, tasks: Sequence[ClientTask], global_state: State, count_flops: bool
+                     ) -> tuple[list[ClientRun], list[dict[str, Any]]]:
+        """Train every task; a client that drops out, fails or sends a bad reply is logged and skipped."""
+        exp, cfg = self.exp, self.exp.cfg
+        runs: list[ClientRun] = []
+        failures: list[dict[str, Any]] = []
+        for task in tasks:
+            cid = task.client_id
+            faults = active_faults(cfg.faults, cfg.seed, round_idx, cid)
+            if any(f.kind == "dropout" for f in faults):
+                failures.append({"client": cid, "stage": "dropout", "reason": "dropped out"})
+                continue
+            expected = {**expected_upload_shapes(task, global_state, exp.slot.trainable),
+                        **exp.algorithm.extra_upload_shapes(task)}
+            try:
+                run = run_client(exp, task, round_idx, count_flops and not runs, faults)
+            except CodecError as err:
+                failures.append({"client": cid, "stage": "rejected", "reason": f"undecodable message: {err}"})
+                continue
+            except Exception as err:  # a failing client must not take the round down
+                failures.append({"client": cid, "stage": "raised", "reason": f"{type(err).__name__}: {err}"})
+                self.console.print(f"[yellow]client {cid} failed in round {round_idx}:[/] {type(err).__name__}: {err}")
+                continue
+            reason = check_update(run.result, expected, run.bytes_up, cfg.strategy.max_update_bytes)
+            if reason is not None:
+                failures.append({"client": cid, "stage": "rejected", "reason": reason})
+                continue
+            runs.append(run)
+        return runs, failures
+
     def run_round(self, round_idx: int, global_state: State, first_round: int) -> tuple[State, dict[str, Any]]:
         exp, cfg = self.exp, self.exp.cfg
         t_round = time.perf_counter()
         clients = exp.algorithm.select(round_idx, rng_for(cfg.seed, "select", round_idx))
         tasks = exp.algorithm.configure_train(round_idx, clients, global_state)
         count_flops = self._count_flops(round_idx, first_round)
-        runs = [run_client(exp, task, round_idx, count_flops and i == 0) for i, task in enumerate(tasks)]
+        runs, failures = self._run_clients(round_idx, tasks, global_state, count_flops)
+        if len(runs) < cfg.strategy.min_clients:
+            reasons = "; ".join(f"client {f['client']}: {f['reason']}" for f in failures)
+            raise RoundFailed(f"round {round_idx}: {len(runs)} valid replies, strategy.min_clients is "
+                              f"{cfg.strategy.min_clients} ({reasons})")
+        selected = [int(c) for c in clients]
+        clients = [r.result.client_id for r in runs]
         results = [r.result for r in runs]
 
         t0 = time.perf_counter()
@@ -107,6 +159,7 @@ class LocalEngine:
             self.flops_per_step = flops
         record: dict[str, Any] = {
             "round": round_idx,
+            "selected": selected,
             "clients": [int(c) for c in clients],
             "num_samples": [r.num_samples for r in results],
             "train_loss": float(np.average([r.train_loss for r in results], weights=[r.num_samples for r in results])),
@@ -128,6 +181,10 @@ class LocalEngine:
         }
         if client_eval:
             record["client_eval"] = client_eval
+        if failures:
+            record["failures"] = failures
+        record["time"].update(simulate_round(cfg.network, cfg.seed, round_idx, clients, record["bytes_down"],
+                                             record["bytes_up"], [r.compute_seconds for r in runs]))
         record["time"]["round"] = time.perf_counter() - t_round
         return new_state, record
 
@@ -152,15 +209,20 @@ class LocalEngine:
         global_state = exp.initial_state
         start = 1
         totals = {"bytes_down": 0, "bytes_up": 0, "wall_seconds": 0.0}
-        if resume:
-            ckpt = self.recorder.resume(cfg)
+        ckpt = self.recorder.resume(cfg) if resume else None
+        if resume and ckpt is None:
+            self.console.print("no checkpoint was written before the run stopped: restarting from round 1")
+        if ckpt is not None:
             global_state = ckpt["global_state"]
             exp.algorithm.load_state_dict(ckpt["algorithm"])
             totals = dict(ckpt["totals"])
             self.flops_per_step = ckpt.get("client_flops_per_step")
             start = int(ckpt["round"]) + 1
         else:
-            self.recorder.start(cfg)
+            if resume:
+                self.recorder.begin(cfg)
+            else:
+                self.recorder.start(cfg)
             self.recorder.write_partition(partition_summary(exp))
             if cfg.evaluation.at_start:
                 self.recorder.append(self._initial_record(global_state))
@@ -178,6 +240,8 @@ class LocalEngine:
                 record["cum_bytes_down"] = totals["bytes_down"]
                 record["cum_bytes_up"] = totals["bytes_up"]
                 record["cum_wall_seconds"] = totals["wall_seconds"]
+                totals["simulated_seconds"] = totals.get("simulated_seconds", 0.0) + record["time"]["simulated"]
+                record["time"]["cum_simulated"] = totals["simulated_seconds"]
                 self.recorder.append(record)
                 if round_idx % cfg.output.checkpoint_every == 0 or round_idx == cfg.rounds:
                     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.config import ConfigError, ExperimentConfig, build_config
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -70,6 +70,11 @@ class Recorder:
 
     def start(self, cfg: ExperimentConfig) -> None:
         self.check_new()
+        self.begin(cfg)
+
+    def begin(self, cfg: ExperimentConfig) -> None:
+        """Write the config and an empty metrics file (a new run, or one restarted from round 1)."""
+        self.records = []
         atomic_write_bytes(self.run_dir / CONFIG, cfg.to_yaml().encode())
         atomic_write_bytes(self.run_dir / METRICS, b"")
 
@@ -85,10 +90,25 @@ class Recorder:
         torch.save(state, buffer)
         atomic_write_bytes(self.checkpoint_path, buffer.getvalue())
 
-    def resume(self, cfg: ExperimentConfig) -> dict[str, Any]:
-        """Load the checkpoint, check it belongs to ``cfg``, and trim metrics to its round."""
+    def resume(self, cfg: ExperimentConfig) -> dict[str, Any] | None:
+        """Load the checkpoint, check it belongs to ``cfg``, and trim metrics to its round.
+
+        None means the run stopped before its first checkpoint: it restarts from round 1, which
+        is the state it would resume from (the initial state is a function of the config).
+        """
+        for leftover in self.run_dir.glob(".*.tmp"):  # a write cut short by the crash; the real file is intact
+            leftover.unlink()
         if not self.checkpoint_path.exists():
-            raise CheckpointError(f"no checkpoint in {self.run_dir}: nothing to resume")
+            saved = self.run_dir / CONFIG
+            if not saved.exists():
+                raise CheckpointError(f"no checkpoint and no {CONFIG} in {self.run_dir}: nothing to resume")
+            try:
+                saved_cfg = build_config(yaml.safe_load(saved.read_text()))
+            except (ConfigError, yaml.YAMLError) as err:
+                raise CheckpointError(f"{saved} is not a valid config: {err}") from err
+            if resume_fingerprint(saved_cfg) != resume_fingerprint(cfg):
+                raise CheckpointError(f"{saved} differs from the config given; only rounds and output.* may change")
+            return None
         try:
             state = torch.load(self.checkpoint_path, weights_only=True)
         except Exception as err:

@@ -42,8 +42,10 @@ class Strategy(ABC):
         return {}
 
     def aggregate(self, global_state: State, results: Sequence[ClientResult]) -> State:
-        delta = weighted_mean([r.update for r in results], [float(r.num_samples) for r in results])
-        return self.step(global_state, delta)
+        """The sample-weighted mean (or the configured robust aggregate) stepped by the server."""
+        from fedpeft.federated.strategy.robust import robust_delta
+
+        return self.step(global_state, robust_delta(self.cfg, results))
 
     @abstractmethod
     def step(self, global_state: State, delta: State) -> State:

@@ -1,0 +1,58 @@
+"""Fault injection for the local engine: corrupt, crash, drop or slow simulated clients.
+
+Used by tests and the robustness benchmark to show what the server survives. Every draw is
+seeded from (run seed, round, client), so a faulty run is as reproducible as a clean one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fedpeft.config import FaultConfig
+from fedpeft.federated.types import ClientResult
+from fedpeft.seeding import rng_for
+
+UPDATE_FAULTS = ("nan", "inf", "wrong_shape", "unknown_key", "missing_key", "oversize", "zero_samples", "huge")
+
+
+class ClientCrashed(RuntimeError):
+    """An injected client failure (``raise`` fault)."""
+
+
+def active_faults(faults: Sequence[FaultConfig], seed: int, round_idx: int, client: int) -> list[FaultConfig]:
+    """The faults that hit ``client`` in ``round_idx``."""
+    hits = []
+    for index, fault in enumerate(faults):
+        if fault.clients is not None and client not in fault.clients:
+            continue
+        if fault.rounds is not None and round_idx not in fault.rounds:
+            continue
+        if fault.probability < 1 and rng_for(seed, "fault", index, round_idx, client).random() >= fault.probability:
+            continue
+        hits.append(fault)
+    return hits
+
+
+def corrupt(result: ClientResult, kind: str) -> ClientResult:
+    """Return ``result`` with its update (or sample count) corrupted as ``kind`` says."""
+    update = dict(result.update)
+    first = sorted(update)[0]
+    if kind == "nan":
+        update[first] = update[first].clone().fill_(float("nan"))
+    elif kind == "inf":
+        update[first] = update[first].clone().fill_(float("inf"))
+    elif kind == "wrong_shape":
+        update[first] = torch.zeros(*update[first].shape, 2)
+    elif kind == "unknown_key":
+        update["not.a.parameter"] = torch.zeros(3)
+    elif kind == "missing_key":
+        del update[first]
+    elif kind == "oversize":
+        update["padding.oversize"] = torch.zeros(1 << 20)  # a 4 MB message
+    elif kind == "huge":
+        update = {k: v * 1e6 for k, v in update.items()}
+    elif kind == "zero_samples":
+        return ClientResult(result.client_id, update, 0, result.train_loss, result.metrics)
+    return ClientResult(result.client_id, update, result.num_samples, result.train_loss, result.metrics)
