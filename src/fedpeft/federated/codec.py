@@ -32,8 +32,9 @@ class Codec:
 
     kind: ClassVar[str] = "dense"
 
-    def __init__(self, cfg: DirectionCodecConfig) -> None:
+    def __init__(self, cfg: DirectionCodecConfig, direction: str = "up") -> None:
         self.cfg = cfg
+        self.direction = direction  # "down" or "up": lets a codec name its own config fields in errors
         self.wire_dtype = WIRE_DTYPES[cfg.dtype]
 
     def _metadata(self) -> dict[str, str]:
@@ -89,4 +90,4 @@ def build_codec(cfg: DirectionCodecConfig, direction: str) -> Codec:
     if cfg.kind not in CODECS:
         allowed = ", ".join(sorted(CODECS))
         raise ConfigError(f"codec.{direction}.kind", f"unknown codec {cfg.kind!r}; allowed: {allowed}")
-    return CODECS[cfg.kind](cfg)
+    return CODECS[cfg.kind](cfg, direction)

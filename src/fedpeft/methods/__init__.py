@@ -4,6 +4,6 @@ Each method lives in its own module and registers an :class:`~fedpeft.federated.
 subclass (and any codec or selector it brings); its recipe YAML names the algorithm.
 """
 
-from fedpeft.methods import federa, fedpeptao, fedtt, headprune, hetlora, loss_gap, rolora
+from fedpeft.methods import federa, fedpeptao, fedtt, flasc, headprune, hetlora, loss_gap, rolora
 
-__all__ = ["federa", "fedpeptao", "fedtt", "headprune", "hetlora", "loss_gap", "rolora"]
+__all__ = ["federa", "fedpeptao", "fedtt", "flasc", "headprune", "hetlora", "loss_gap", "rolora"]

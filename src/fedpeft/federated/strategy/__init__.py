@@ -1,6 +1,6 @@
 """Server strategies, one file each. Importing this package registers them all."""
 
-from fedpeft.federated.strategy import fedadagrad, fedadam, fedavg, fedavgm, fedprox, fedyogi
+from fedpeft.federated.strategy import fedadagrad, fedadam, fedadamw, fedavg, fedavgm, fedprox, fedyogi
 from fedpeft.federated.strategy.base import (
     STRATEGIES,
     Strategy,
@@ -10,6 +10,6 @@ from fedpeft.federated.strategy.base import (
 )
 
 __all__ = [
-    "STRATEGIES", "Strategy", "build_strategy", "fedadagrad", "fedadam", "fedavg", "fedavgm", "fedprox",
+    "STRATEGIES", "Strategy", "build_strategy", "fedadagrad", "fedadam", "fedadamw", "fedavg", "fedavgm", "fedprox",
     "fedyogi", "register_strategy", "weighted_mean",
 ]

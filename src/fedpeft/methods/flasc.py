@@ -1,0 +1,250 @@
+"""FLASC (Kuo et al. 2024, ``002_...txt``, Alg. 1) and the sparsity baselines it is compared with.
+
+FLASC: the server keeps *dense* LoRA (+ task head) weights P. Every round it sends the top
+``d_down`` fraction of P by magnitude (Alg. 1 lines 5, 8: global over all trainable tensors,
+the head included, as in the released code); the client loads those masked weights and fine-tunes
+**every** entry densely (line 9: fresh SGD with momentum each round, the client section); its
+update is cut to its own top ``d_up`` fraction (lines 10-12; no error feedback: whatever is not
+sent is forgotten); the server averages the sparse updates into a pseudo-gradient and steps it
+with the configured server strategy (lines 14-15; the recipe uses :mod:`fedadamw`, the released
+code's AdamW on the plain mean over the sampled clients). ``d_up`` and ``d_down`` are
+independent. The masks are applied here, by the method; the recipes' ``topk`` codecs at density 1
+then put exactly the surviving nonzeros on the wire, so the recorded bytes are those of the real
+sparse messages.
+
+Baselines (paper Sec. 4.1-4.2 and App. A), all on the same machinery:
+
+* ``sparse_adapter``: one dense round, then magnitude-prune the aggregated weights once to
+  ``down_density`` and freeze that pattern for the server and the clients.
+* ``adapter_lth``: iterative magnitude pruning, "fine-tuning" variant: every ``prune_every``
+  rounds keep the top ``1 - prune_fraction`` of the surviving weights; the rest stay zero and
+  frozen; no rewinding.
+* ``federated_select``: clients download the top-``down_density`` subset of the dense server
+  weights (recomputed every round) and train only that subset (client freezing).
+
+Where the paper is silent we follow the released code (imkevinkuo/flasc): density schedule
+``d_t = d * decay^((t - 1) // decay_every)`` per direction (its ``--dl/ul-density-decay``,
+``--decay-freq``); clients of the freezing baselines train only the entries they received (its
+gradient masking); the global model that is evaluated is the one clients download (its
+``--eval-masked true``); after a pruning step the pruned server weights are zeroed (the released
+code keeps them but never sends or evaluates them, which is the same model).
+
+Options (``strategy`` section): ``down_density``, ``up_density``, ``down_density_decay``,
+``up_density_decay``, ``decay_every``, ``mask_scope`` (``global`` | ``per_tensor``),
+``dense_rounds`` (sparse_adapter), ``prune_fraction``, ``prune_every`` (adapter_lth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedpeft.config import ExperimentConfig
+from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
+from fedpeft.federated.client import ModelSlot, TrainStats, train_client
+from fedpeft.federated.privacy import dp_fedadam_epsilon
+from fedpeft.federated.sparse_codec import Scope, apply_masks, keep_count, topk_masks, topk_sparsify
+from fedpeft.federated.strategy.fedadamw import FedAdamW, validate_options
+from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.models.encoding import EncodedData
+
+
+class SparsityOptions(BaseModel):
+    """The FLASC family's fields of the ``strategy`` section."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    down_density: float = Field(1.0, gt=0, le=1)
+    up_density: float = Field(1.0, gt=0, le=1)
+    down_density_decay: float = Field(1.0, gt=0, le=1)
+    up_density_decay: float = Field(1.0, gt=0, le=1)
+    decay_every: int = Field(1, gt=0)
+    mask_scope: Scope = "global"
+    dense_rounds: int = Field(1, ge=0)
+    prune_fraction: float = Field(0.02, gt=0, lt=1)
+    prune_every: int = Field(1, gt=0)
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
+    dp_simulated_cohort: int | None = Field(None, gt=0)
+
+
+def scheduled_density(density: float, decay: float, decay_every: int, round_idx: int) -> float:
+    """``density * decay^((round - 1) // decay_every)``: the released code's step schedule (rounds from 1)."""
+    return density * decay ** ((round_idx - 1) // decay_every)
+
+
+def mask_density(masks: dict[str, torch.Tensor]) -> float:
+    total = sum(m.numel() for m in masks.values())
+    return float(sum(int(m.sum()) for m in masks.values()) / max(total, 1))
+
+
+def magnitude_prune(state: State, masks: dict[str, torch.Tensor], fraction: float) -> dict[str, torch.Tensor]:
+    """Keep the top ``1 - fraction`` (by |value|, global) of the entries still in ``masks``; nested in them."""
+    keys = sorted(state)
+    alive = torch.cat([masks[k].reshape(-1) for k in keys])
+    magnitude = torch.cat([state[k].detach().abs().reshape(-1).to(torch.float32) for k in keys])
+    magnitude = torch.where(alive, magnitude, torch.full_like(magnitude, -1.0))  # pruned entries rank last
+    keep = keep_count(int(alive.sum()), 1 - fraction)
+    order = torch.sort(magnitude, descending=True, stable=True).indices[:keep]
+    flat = torch.zeros_like(alive)
+    flat[order] = True
+    out, start = {}, 0
+    for k in keys:
+        n = state[k].numel()
+        out[k] = flat[start : start + n].reshape(state[k].shape)
+        start += n
+    return out
+
+
+def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask, cfg: Any,
+                        seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
+    """The client side of the whole family; reads only ``task.payload`` and JSON ``task.config``.
+
+    ``train_received_only``: gradients of entries that arrived as zero are masked, so only the
+    received subset trains (freezing baselines). ``up_density`` < 1: the update is cut to its own
+    top-k (Alg. 1 lines 11-12), with no memory of what was dropped (no error feedback).
+    """
+    handles = []
+    if task.config.get("train_received_only"):
+        for key, value in task.payload.items():
+            received = (value != 0).to(value.dtype)
+            handles.append(slot.params[key].register_hook(lambda grad, m=received: grad * m))
+    try:
+        result, stats = train_client(slot, data, shard, task, cfg, seed, count_flops)
+    finally:
+        for handle in handles:
+            handle.remove()
+    up_density = float(task.config.get("up_density", 1.0))
+    if up_density < 1:
+        result.update = topk_sparsify(result.update, up_density, task.config.get("mask_scope", "global"))
+    return result, stats
+
+
+@register_algorithm
+class Flasc(Algorithm):
+    """FLASC (Alg. 1): sparse download of dense server weights, dense local training, sparse upload."""
+
+    name = "flasc"
+    freeze_clients: ClassVar[bool] = False
+
+    def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
+        super().__init__(cfg, ctx)
+        self.options: SparsityOptions = validate_options(SparsityOptions, cfg.strategy.model_extra or {}, "strategy")
+        self.dense: State = {}
+        self.mask: dict[str, torch.Tensor] | None = None  # fixed/pruned pattern of the freezing baselines
+        self.last: dict[str, Any] = {}
+
+    # -- densities and masks -------------------------------------------------------------------
+    def down_density(self, round_idx: int) -> float:
+        o = self.options
+        return scheduled_density(o.down_density, o.down_density_decay, o.decay_every, round_idx)
+
+    def up_density(self, round_idx: int) -> float:
+        o = self.options
+        return scheduled_density(o.up_density, o.up_density_decay, o.decay_every, round_idx)
+
+    def download_masks(self, round_idx: int) -> dict[str, torch.Tensor] | None:
+        """Alg. 1 line 5: top-``d_down`` of |P|, recomputed from the dense weights every round."""
+        density = self.down_density(round_idx)
+        return None if density >= 1 else topk_masks(self.dense, density, self.options.mask_scope)
+
+    def download(self, round_idx: int) -> State:
+        """Alg. 1 line 8: what every client of ``round_idx`` receives (P masked)."""
+        masks = self.download_masks(round_idx)
+        return dict(self.dense) if masks is None else apply_masks(self.dense, masks)
+
+    def after_step(self, round_idx: int) -> None:
+        """Hook for the pruning baselines (FLASC keeps P dense)."""
+
+    # -- round logic ---------------------------------------------------------------------------
+    def initial_state(self, state: State) -> State:
+        self.dense = {k: v.detach().clone() for k, v in state.items()}
+        return self.download(1)
+
+    def configure_train(self, round_idx: int, clients: Sequence[int], global_state: State) -> list[ClientTask]:
+        masks = self.download_masks(round_idx)
+        payload = dict(self.dense) if masks is None else apply_masks(self.dense, masks)
+        config = {
+            **self.strategy.client_config(),
+            "up_density": self.up_density(round_idx),
+            "mask_scope": self.options.mask_scope,
+            "train_received_only": self.freeze_clients and masks is not None,
+        }
+        self.last = {"down_density": 1.0 if masks is None else mask_density(masks),
+                     "up_density": config["up_density"]}
+        return [ClientTask(client_id=c, payload=payload, config=dict(config)) for c in clients]
+
+    def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
+                      seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
+        return train_sparse_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+
+    def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
+        """Alg. 1 lines 14-15 on the dense P (not the masked copy), then the deployed (masked) model."""
+        self.dense = self.strategy.aggregate(self.dense, results)
+        self.after_step(round_idx)
+        return self.download(round_idx + 1)
+
+    def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
+        metrics = dict(self.last)
+        if self.mask is not None:
+            metrics["mask_density"] = mask_density(self.mask)
+        strategy = self.strategy
+        if isinstance(strategy, FedAdamW) and strategy.dp:
+            metrics["dp_epsilon"] = dp_fedadam_epsilon(
+                strategy.options.dp_noise_multiplier, self.cfg.clients_per_round(), self.cfg.partition.num_clients,
+                round_idx, self.options.dp_delta, self.options.dp_simulated_cohort)
+            metrics["dp_delta"] = self.options.dp_delta
+            metrics["update_norms"] = strategy.last_norms
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "dense": {k: v.clone() for k, v in self.dense.items()},
+                "mask": None if self.mask is None else {k: m.clone() for k, m in self.mask.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.dense = {k: v.clone() for k, v in state["dense"].items()}
+        mask = state.get("mask")
+        self.mask = None if mask is None else {k: m.clone() for k, m in mask.items()}
+
+
+@register_algorithm
+class FederatedSelect(Flasc):
+    """Federated Select (Charles et al. 2022) as FLASC's Sec. 4.2 runs it: FLASC's download, client freezing."""
+
+    name = "federated_select"
+    freeze_clients = True
+
+
+@register_algorithm
+class SparseAdapter(Flasc):
+    """SparseAdapter (He et al. 2022) per FLASC App. A: ``dense_rounds`` dense, then prune once and freeze."""
+
+    name = "sparse_adapter"
+    freeze_clients = True
+
+    def download_masks(self, round_idx: int) -> dict[str, torch.Tensor] | None:
+        return self.mask
+
+    def after_step(self, round_idx: int) -> None:
+        if self.mask is None and round_idx >= self.options.dense_rounds:
+            self.mask = topk_masks(self.dense, self.options.down_density, self.options.mask_scope)
+        if self.mask is not None:
+            self.dense = apply_masks(self.dense, self.mask)
+
+
+@register_algorithm
+class AdapterLTH(SparseAdapter):
+    """Adapter LTH (Wu and Chen 2022) per FLASC App. A: iterative magnitude pruning, fine-tuning variant."""
+
+    name = "adapter_lth"
+
+    def after_step(self, round_idx: int) -> None:
+        if round_idx % self.options.prune_every == 0:
+            alive = self.mask or {k: torch.ones_like(v, dtype=torch.bool) for k, v in self.dense.items()}
+            self.mask = magnitude_prune(self.dense, alive, self.options.prune_fraction)
+        if self.mask is not None:
+            self.dense = apply_masks(self.dense, self.mask)

@@ -1,0 +1,212 @@
+"""FLASC (Alg. 1) and its sparsity baselines: exact math on small tensors, then tiny end-to-end runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpeft.config import ConfigError, build_config
+from fedpeft.engines.local import LocalEngine, run_client
+from fedpeft.experiment import prepare
+from fedpeft.federated.sparse_codec import keep_count, topk_sparsify
+from fedpeft.federated.types import ClientResult
+from fedpeft.methods.flasc import magnitude_prune, scheduled_density
+from tests.conftest import tiny_raw_config
+
+
+def flasc_raw(train: Path, eval_: Path, run_dir: Path, method: str = "flasc", **strategy: object) -> dict:
+    return tiny_raw_config(
+        train, eval_, run_dir, method=method, rounds=2,
+        adapter={"kind": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "init": "kaiming"},
+        client={"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "batch_size": 8, "local_epochs": 1},
+        strategy={"name": "fedadamw", "server_lr": 0.05, "clients_per_round": 2, **strategy})
+
+
+def test_density_schedule_is_the_released_step_decay() -> None:
+    assert [scheduled_density(0.25, 0.5, 2, t) for t in range(1, 6)] == [0.25, 0.25, 0.125, 0.125, 0.0625]
+    assert scheduled_density(0.25, 1.0, 1, 100) == 0.25
+
+
+def test_magnitude_prune_is_nested_and_keeps_the_largest() -> None:
+    state = {"a": torch.tensor([5.0, -0.1, 3.0, 0.2]), "b": torch.tensor([-4.0, 1.0, 0.0, 2.0])}
+    alive = {"a": torch.tensor([True, True, True, True]), "b": torch.tensor([True, True, False, True])}
+    kept = magnitude_prune(state, alive, 0.5)  # 7 alive -> keep floor(3.5) = 3: 5, -4, 3
+    assert kept["a"].tolist() == [True, False, True, False] and kept["b"].tolist() == [True, False, False, False]
+    again = magnitude_prune({"a": torch.ones(4) * 9, "b": torch.ones(4) * 9}, kept, 0.34)  # 3 -> 1, inside kept
+    assert int(sum(m.sum() for m in again.values())) == 1 and again["a"][0]
+
+
+@pytest.fixture
+def flasc_exp(toy_files: tuple[Path, Path], tmp_path: Path):
+    train, eval_ = toy_files
+    return prepare(build_config(flasc_raw(train, eval_, tmp_path / "run", down_density=0.25, up_density=0.125)))
+
+
+def test_client_starts_from_masked_server_weights_and_trains_every_entry(flasc_exp) -> None:
+    exp = flasc_exp
+    algo = exp.algorithm
+    dense = {k: v.clone() for k, v in algo.dense.items()}
+    tasks = algo.configure_train(1, [0, 1], exp.initial_state)
+    masked = topk_sparsify(dense, 0.25)
+    for key, value in tasks[0].payload.items():
+        assert torch.equal(value, masked[key]), key
+    numel = sum(v.numel() for v in dense.values())
+    assert sum(int((v != 0).sum()) for v in tasks[0].payload.values()) == int(0.25 * numel)
+    # train with a dense upload to see every entry move, masked-out ones included
+    tasks[0].config["up_density"] = 1.0
+    run = run_client(exp, tasks[0], 1, False)
+    update = run.result.update
+    zero_at_start = {k: masked[k] == 0 for k in masked}
+    moved_outside_mask = sum(int(((update[k] != 0) & zero_at_start[k]).sum()) for k in update)
+    assert moved_outside_mask > 0.5 * sum(int(z.sum()) for z in zero_at_start.values())
+    # lora_B is all zeros at init (never downloaded) but trains anyway
+    b_keys = [k for k in update if "lora_B" in k]
+    assert b_keys and all(not masked[k].any() for k in b_keys) and any(update[k].abs().sum() > 0 for k in b_keys)
+
+
+def test_upload_is_topk_of_the_dense_update_without_error_feedback(flasc_exp) -> None:
+    exp = flasc_exp
+    task = exp.algorithm.configure_train(1, [0], exp.initial_state)[0]
+    dense_task = exp.algorithm.configure_train(1, [0], exp.initial_state)[0]
+    dense_task.config["up_density"] = 1.0
+    dense_update = run_client(exp, dense_task, 1, False).result.update
+    sparse_first = run_client(exp, task, 1, False).result.update
+    expected = topk_sparsify(dense_update, 0.125)
+    for key in expected:
+        assert torch.allclose(sparse_first[key], expected[key], atol=1e-7), key
+    n = sum(v.numel() for v in dense_update.values())
+    assert sum(int((v != 0).sum()) for v in sparse_first.values()) == int(0.125 * n)
+    # no error feedback: sending the same task again gives the same update (nothing dropped is carried over)
+    task_again = exp.algorithm.configure_train(1, [0], exp.initial_state)[0]
+    sparse_second = run_client(exp, task_again, 1, False).result.update
+    assert all(torch.equal(sparse_second[k], sparse_first[k]) for k in sparse_first)
+
+
+def test_server_steps_the_dense_weights_with_adamw(flasc_exp) -> None:
+    algo = flasc_exp.algorithm
+    dense = {k: v.clone() for k, v in algo.dense.items()}
+    key = sorted(dense)[0]
+    updates = [{k: torch.zeros_like(v) for k, v in dense.items()} for _ in range(2)]
+    updates[0][key].view(-1)[0] = 0.3  # mean over 2 clients: 0.15 on one entry, 0 elsewhere
+    results = [ClientResult(i, u, 10 * (i + 1), 0.0) for i, u in enumerate(updates)]
+    public = algo.aggregate(1, flasc_exp.initial_state, results)
+    lr, wd = 0.05, 0.01
+    # AdamW's first step: w(1 - lr wd) - lr * sign(-g) for g != 0; g = 0 entries only decay
+    first = dense[key].view(-1)[0]
+    assert algo.dense[key].view(-1)[0].item() == pytest.approx(float(first * (1 - lr * wd) + lr), abs=1e-6)
+    other = sorted(dense)[1]
+    assert torch.allclose(algo.dense[other], dense[other] * (1 - lr * wd))
+    # what is returned (evaluated, deployed) is the next round's download: the top 25% of the new dense weights
+    assert all(torch.equal(public[k], topk_sparsify(algo.dense, 0.25)[k]) for k in public)
+
+
+def test_freezing_baselines_train_only_the_received_entries(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / "fs", method="federated_select",
+                                         down_density=0.25)))
+    task = exp.algorithm.configure_train(1, [0], exp.initial_state)[0]
+    assert task.config["train_received_only"]
+    received = {k: v != 0 for k, v in task.payload.items()}
+    update = run_client(exp, task, 1, False).result.update
+    assert all(not (update[k][~received[k]] != 0).any() for k in update)
+    assert sum(int((update[k] != 0).sum()) for k in update) > 0
+
+
+def test_sparse_adapter_prunes_once_after_the_dense_round(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "sa", method="sparse_adapter", down_density=0.25)
+    raw["rounds"] = 3
+    exp = prepare(build_config(raw))
+    records = LocalEngine(exp, tmp_path / "sa").run()
+    # resuming after the pruning round restores the mask and the server's AdamW moments exactly
+    part = dict(raw, rounds=2, output={"run_dir": str(tmp_path / "part"), "progress": False})
+    LocalEngine(prepare(build_config(part)), tmp_path / "part").run()
+    part["rounds"] = 3
+    assert strip_timing(LocalEngine(prepare(build_config(part)), tmp_path / "part").run(resume=True)) \
+        == strip_timing(records)
+    algo = exp.algorithm
+    n = sum(v.numel() for v in algo.dense.values())
+    # round 1 is dense both ways; from round 2 the pattern is fixed at 25% and the uploads stay inside it
+    assert records[0]["method"]["down_density"] == 1.0
+    assert records[1]["method"]["mask_density"] == pytest.approx(int(0.25 * n) / n)
+    assert records[1]["bytes_down"][0] < records[0]["bytes_down"][0]
+    assert max(records[2]["bytes_up"]) < min(records[0]["bytes_up"])
+    assert all(not algo.dense[k][~algo.mask[k]].any() for k in algo.dense)
+
+
+def test_adapter_lth_shrinks_by_the_prune_fraction_every_k_rounds(toy_files: tuple[Path, Path],
+                                                                  tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "lth", method="adapter_lth", prune_fraction=0.2, prune_every=1)
+    exp = prepare(build_config(raw))
+    records = LocalEngine(exp, tmp_path / "lth").run()
+    n = sum(v.numel() for v in exp.algorithm.dense.values())
+    first = int(0.8 * n)
+    assert records[0]["method"]["mask_density"] == pytest.approx(first / n)
+    assert records[1]["method"]["mask_density"] == pytest.approx(int(0.8 * first) / n)
+
+
+def strip_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("time", "cum_wall_seconds", "client_seconds")} for r in records]
+
+
+def test_flasc_learns_and_resumes_bit_identically(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    # FLASC's masks with a FedAvg server and Adam clients: the tiny random model learns in a few rounds
+    # (the recipe's AdamW server takes lr-sized steps, too slow for a 6-round test; its math is tested above)
+    raw = flasc_raw(train, eval_, tmp_path / "full", down_density=0.25, up_density=0.25, name="fedavg", server_lr=1.0)
+    raw.update(rounds=6, client={"optimizer": "adam", "lr": 0.02, "batch_size": 8, "local_epochs": 2})
+    raw["adapter"].update(init="gaussian", dropout=0.1)
+    full = LocalEngine(prepare(build_config(raw)), tmp_path / "full")
+    records = full.run()
+    accuracy = [r["eval"]["accuracy"] for r in records]
+    assert max(accuracy[-2:]) >= 0.7, accuracy  # chance is 0.5 on 64 balanced examples
+    assert sum(r["train_loss"] for r in records[-2:]) / 2 < records[0]["train_loss"]
+    n = records[0]["trainable_params"]
+    assert max(records[0]["bytes_up"]) < 0.5 * (4 * n)  # a quarter of the values + positions, vs 4 B per weight
+    # the time model: default 10 Mbps down, 1 Mbps up, no latency, plus each client's measured compute
+    for r in records:
+        comm = max(8 * d / 10e6 + 8 * u / 1e6 for d, u in zip(r["bytes_down"], r["bytes_up"]))
+        assert r["time"]["simulated_communication"] == pytest.approx(comm)
+        assert r["time"]["simulated"] >= comm
+    assert records[-1]["time"]["cum_simulated"] == pytest.approx(sum(r["time"]["simulated"] for r in records))
+
+    part = dict(raw, rounds=3, output={"run_dir": str(tmp_path / "part"), "progress": False})
+    LocalEngine(prepare(build_config(part)), tmp_path / "part").run()
+    part["rounds"] = 6
+    resumed_engine = LocalEngine(prepare(build_config(part)), tmp_path / "part")
+    assert strip_timing(resumed_engine.run(resume=True)) == strip_timing(records)
+    assert all(torch.equal(full.exp.algorithm.dense[k], resumed_engine.exp.algorithm.dense[k])
+               for k in full.exp.algorithm.dense)
+
+
+def test_dp_fedadam_reports_epsilon(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "dp", down_density=1.0, up_density=1.0, dp_clip_norm=0.05,
+                    dp_noise_multiplier=1.0, dp_delta=1e-3)
+    raw["rounds"] = 1
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "dp").run()
+    from fedpeft.federated.privacy import dp_fedadam_epsilon
+
+    method = records[0]["method"]
+    assert method["dp_epsilon"] == pytest.approx(dp_fedadam_epsilon(1.0, 2, 4, 1, 1e-3))
+    assert len(method["update_norms"]) == 2 and all(x > 0 for x in method["update_norms"])
+
+
+def test_bad_sparsity_options_name_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    with pytest.raises(ConfigError, match=r"strategy\.up_density"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", up_density=1.5)))
+    with pytest.raises(ConfigError, match=r"strategy\.mask_scope"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", mask_scope="layer")))
+
+
+def test_per_tensor_scope_masks_every_tensor_alike(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / "pt", down_density=0.25, mask_scope="per_tensor")))
+    payload = exp.algorithm.configure_train(1, [0], exp.initial_state)[0].payload
+    for key, value in payload.items():
+        expected = 0 if not exp.algorithm.dense[key].any() else keep_count(value.numel(), 0.25)
+        assert int((value != 0).sum()) == expected, key
