@@ -22,8 +22,9 @@ the dev/test set, one local epoch of AdamW at batch 16 and lr 1e-3 (the paper: b
 and FLOPs are exact. LoRA r = alpha = 16 on query/key/value of
 all 6 layers (12 heads each, 72 heads) + the classifier, as the paper's T5 setting (its 3.38 MB
 matches LoRA on q/k/v). The importance pass reads at most 2 batches per client
-(``importance_batches: 2``). ``--seed`` changes the training seed; the partition and the
-subsamples stay fixed.
+(``importance_batches: 2``). Every method uploads through the same lossless ``zero_slices`` codec
+(B1 too), so byte differences come from the methods, not the codec. ``--seed`` changes the training
+seed; the partition and the subsamples stay fixed.
 
 Outputs (``benchmarks/results/``): ``headprune.json`` (SPEC results format, one row per run),
 ``headprune.md``, ``headprune_table1.png`` (accuracy per round), ``headprune_sweep.png``

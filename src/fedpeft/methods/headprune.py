@@ -24,7 +24,9 @@ One round (the paper's Algorithm 1), with the pieces this module adds to FedAvg-
 Ablations of the paper's Table 1 are options of the same algorithm: B1 (FedAvg-LoRA) is
 ``head_pruning: none, head_aggregation: samples``; B2 (FedAvg + random pruning) is
 ``head_pruning: random, head_aggregation: samples`` (a head's slices averaged, sample-weighted,
-over the clients that kept it).
+over the clients that kept it). Their recipes use the same lossless ``zero_slices`` codec, which
+also drops slices that are zero for other reasons (LoRA ``A`` gets no gradient while ``B`` is 0,
+so after a single local step from ``B = 0`` its update is exactly zero).
 
 Choices where the paper is silent (config options where reasonable people differ):
 
