@@ -19,7 +19,7 @@ import fedpeft.methods  # noqa: F401  (registers the methods' algorithms, codecs
 from fedpeft.adapters.base import build_adapter, trainable_names
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.data.partition import partition_indices
-from fedpeft.data.tasks import load_task, resolve_data_dir
+from fedpeft.data.tasks import load_task, resolve_data_dir, task_names
 from fedpeft.data.types import TaskData
 from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
 from fedpeft.federated.client import ModelSlot
@@ -53,6 +53,8 @@ class Experiment:
 
 def load_data(cfg: ExperimentConfig, data_dir: str | None = None) -> tuple[TaskData, list[np.ndarray]]:
     """The task and its client shards (no model needed: used by ``fedpeft data`` too)."""
+    if cfg.task.name not in task_names():  # name the real mistake before looking for a data folder
+        raise ConfigError("task.name", f"unknown task {cfg.task.name!r}; allowed: {', '.join(task_names())}")
     root: Path | None = None
     if cfg.task.name == "file":
         try:  # a file task may use absolute paths and need no data folder
