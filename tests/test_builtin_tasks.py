@@ -27,13 +27,13 @@ def data_dir() -> Path:
         pytest.skip(f"benchmark data folder not found ({err}); set FEDPEFT_DATA to run these tests")
 
 
-# (task, eval_split) -> (train rows, eval rows, number of distinct train labels or None)
+# (task, eval_split) -> (train rows, eval rows, number of distinct train labels, or the problem type)
 EXPECTED = {
     ("sst2", None): (67_349, 872, 2),
     ("cola", None): (8_551, 1_043, 2),
     ("mrpc", None): (3_667, 408, 2),  # train.tsv lacks one pair of the standard 3,668
     ("rte", None): (2_490, 277, 2),
-    ("stsb", None): (5_749, 1_500, None),
+    ("stsb", None): (5_749, 1_500, "regression"),
     ("mnli", None): (8_999, 1_000, 3),
     ("mnli", "official_dev"): (8_999, 9_815, 3),
     ("qnli", None): (8_999, 1_000, 2),
@@ -50,6 +50,8 @@ EXPECTED = {
     ("cb", None): (250, 56, 3),
     ("copa", None): (400, 100, 2),
     ("superglue_rte", None): (2_490, 277, 2),
+    # E2E: one training row per (MR, reference); one evaluation row per MR, scored against all its references
+    ("e2e_nlg", None): (4_672, 630, "generation"),
 }
 
 
@@ -63,9 +65,13 @@ def test_builtin_task_row_counts(data_dir: Path, name: str, eval_split: str | No
     task = load_task(TaskConfig(name=name, eval_split=eval_split), data_dir)
     assert (len(task.train), len(task.eval)) == (train_rows, eval_rows)
     assert task.metrics == BUILTIN_TASKS[name].metrics
-    if num_classes is None:
+    if num_classes == "regression":
         assert task.problem_type == "regression"
         assert all(0.0 <= example.label <= 5.0 for example in task.train + task.eval)
+    elif num_classes == "generation":
+        assert task.problem_type == "generation"
+        assert sum(len(example.references) for example in task.eval) == 4_693  # every reference of the test set
+        assert all(len(example.references) == 1 for example in task.train)
     else:
         assert len(Counter(example.label for example in task.train)) == num_classes
         assert all(0 <= example.label < len(task.label_names) for example in task.train + task.eval)
