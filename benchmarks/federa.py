@@ -50,10 +50,13 @@ TARGET_FRACTIONS = (0.9, 0.95)  # of the best final accuracy of any method in th
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "lora_r32": ("lora", {"adapter": {"r": 32, "alpha": 32}}),
     "federa_r32": ("federa", {}),
+    "lora_r32_lr5e-3": ("lora", {"adapter": {"r": 32, "alpha": 32}, "client": {"lr": 0.005}}),
+    "federa_r32_lr5e-3": ("federa", {"client": {"lr": 0.005}}),
     "full": ("full", {}),
     "bitfit": ("bitfit", {}),
     "adapter": ("adapter", {}),
 }
+PAIRS = (("lora_r32", "federa_r32"), ("lora_r32_lr5e-3", "federa_r32_lr5e-3"))
 PARTITIONS: dict[str, dict[str, Any]] = {
     "dirichlet0.1": {"kind": "dirichlet", "alpha": 0.1},
     "dirichlet1.0": {"kind": "dirichlet", "alpha": 1.0},
@@ -203,7 +206,8 @@ def write_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command
         f"Machine: {machine}",
         "",
         f"Setup: MiniLM (all-MiniLM-L6-v2), {args.clients} clients, {args.per_round} per round, {args.rounds} "
-        f"rounds, 1 local epoch, AdamW batch 16, lr {args.lr} (PEFT methods) / {args.full_lr} (full), "
+        f"rounds, 1 local epoch, AdamW batch 16, lr {args.lr} (PEFT methods; `_lr5e-3` variants 5e-3) / "
+        f"{args.full_lr} (full), "
         f"evaluation every {args.eval_every} rounds on a fixed test subsample; seed {args.seed}. "
         "LoRA and FeDeRA: r = alpha = 32 on query/value + head. See the script's docstring.",
         "",
@@ -235,18 +239,20 @@ def mean_variation(row: dict[str, Any], key: str) -> float | None:
 def comparison_lines(rows: list[dict[str, Any]]) -> list[str]:
     """What was measured on the paper's two claims, stated from the numbers (whichever way they go)."""
     by = {(r["task"], r["partition"], r["method"]): r for r in rows}
-    out = ["| task | partition | final acc LoRA | final acc FeDeRA | rounds to 90% LoRA | rounds to 90% FeDeRA | "
-           "mean dM_B LoRA | mean dM_B FeDeRA | mean dD_B LoRA | mean dD_B FeDeRA |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| task | partition | variant | final acc LoRA | final acc FeDeRA | rounds to 90% LoRA | "
+           "rounds to 90% FeDeRA | mean dM_B LoRA | mean dM_B FeDeRA | mean dD_B LoRA | mean dD_B FeDeRA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for task in sorted({r["task"] for r in rows}):
-        for partition in PARTITIONS:
-            pair = [by.get((task, partition, "lora_r32")), by.get((task, partition, "federa_r32"))]
-            if None in pair:
-                continue
-            cells = [fmt(r["final_metric"]) for r in pair] + [str(r["rounds_to_90pct"] or "-") for r in pair]
-            cells += [fmt(mean_variation(r, key), 4) for key in ("magnitude_variation_B", "direction_variation_B")
-                      for r in pair]
-            out.append(f"| {task} | {partition} | " + " | ".join(cells) + " |")
+        for lora, federa in PAIRS:
+            for partition in PARTITIONS:
+                pair = [by.get((task, partition, lora)), by.get((task, partition, federa))]
+                if None in pair:
+                    continue
+                cells = [fmt(r["final_metric"]) for r in pair] + [str(r["rounds_to_90pct"] or "-") for r in pair]
+                cells += [fmt(mean_variation(r, key), 4) for key in ("magnitude_variation_B", "direction_variation_B")
+                          for r in pair]
+                variant = "lr " + (lora.split("_lr")[1] if "_lr" in lora else "1e-3")
+                out.append(f"| {task} | {partition} | {variant} | " + " | ".join(cells) + " |")
     out.append("")
     for task in sorted({r["task"] for r in rows}):
         for method in METHODS:
@@ -385,7 +391,7 @@ def main() -> None:
         parser.error(f"unknown task/partition/method: {sorted(set(unknown))}")
     # priority: lora and federa over every partition first, then the baselines
     order = list(METHODS)
-    jobs.sort(key=lambda job: (order.index(job[2]) >= 2, list(PARTITIONS).index(job[1]), order.index(job[2])))
+    jobs.sort(key=lambda job: (order.index(job[2]) // 2, list(PARTITIONS).index(job[1]), order.index(job[2])))
     if not args.report_only:
         with ThreadPoolExecutor(max_workers=args.workers) as pool:
             for future in [pool.submit(launch, job, args) for job in jobs]:

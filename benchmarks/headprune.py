@@ -221,6 +221,7 @@ def build_rows(jobs: list[tuple[str, str, str]], args: argparse.Namespace) -> li
         downs = [b for r in trained for b in r["bytes_down"]]
         flops = [r["client_flops_per_step"] for r in trained if r["client_flops_per_step"] is not None]
         sparsity = [r["method"].get("head_sparsity", 0.0) for r in trained]
+        scoring = [r["method"]["importance_flops"] for r in trained if "importance_flops" in r["method"]]
         last = records[-1]
         target = TARGETS.get(task)
         hit = first_round_at(records, metric, target) if target is not None else None
@@ -240,6 +241,7 @@ def build_rows(jobs: list[tuple[str, str, str]], args: argparse.Namespace) -> li
             "wall_seconds": last["cum_wall_seconds"],
             "client_flops_per_step": sum(flops) / len(flops) if flops else None,
             "head_sparsity": sum(sparsity) / len(sparsity),
+            "importance_pass_flops": sum(scoring) / len(scoring) if scoring else None,
             "selection": config["strategy"]["selection"],
             "metric_per_round": [[r["round"], r["eval"][metric]] for r in evaluated],
             "train_loss_per_round": [r["train_loss"] for r in trained],
@@ -275,7 +277,9 @@ def write_markdown(rows: list[dict[str, Any]], flops_rows: list[dict[str, Any]],
         f"{TARGETS['20newsgroups']} on 20 Newsgroups (chance 0.05); `-` = never reached. "
         "Uplink = mean real message length per client per round (LoRA A dense, kept heads' B rows, classifier, "
         "head scores); FLOPs = FlopCounterMode, forward + backward of one local step (mean over rounds of the "
-        "first client's first step; the batch length varies with the data).",
+        "first client's first step; the batch length varies with the data). The importance pass (ours) costs one "
+        "no-grad forward over at most 2 batches per client and round, not included in FLOPs/step: see "
+        "`importance_pass_flops` in the JSON.",
         "",
     ]
 

@@ -305,7 +305,9 @@ class HeadPruning(Algorithm):
         }
         if self.options.measures_importance and len(scores) > 1:
             flat = torch.stack([s.flatten() for s in scores])
-            info["importance_distance"] = float(torch.pdist(flat).mean())  # paper Fig. 5b
+            # mean pairwise Euclidean distance of the clients' scores as the server gets them (Eq. 7:
+            # pruned heads 0), the quantity of the paper's Fig. 5b
+            info["importance_distance"] = float(torch.pdist(flat).mean())
         flops = [r.metrics["importance_flops"] for r in results if "importance_flops" in r.metrics]
         if flops:
             info["importance_flops"] = flops[0]
