@@ -5,8 +5,10 @@ and is reported separately), the part spent outside forward/backward/optimizer s
 selection, state swaps, batching, codec and aggregation. Measured on rounds 2..R (round 1 also
 counts FLOPs once, which is a one-off).
 (b) ``rss_ratio_1000_vs_10``: peak resident memory of a run with 1000 registered clients over
-one with 10 clients, both sampling 10 clients a round on the same data: memory must not grow
-with the number of registered clients.
+one with 10 clients, both sampling 10 clients a round on the same 20,000 training examples, every
+sampled client running the same 5 steps of batch 16 (with 1000 clients a shard holds 20 examples,
+enough for full batches, so the two runs do identical work): memory must not grow with the number
+of registered clients.
 
 Run: ``.venv/bin/python benchmarks/engine.py`` (writes benchmarks/results/engine.{json,md}).
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 COMMAND = "python benchmarks/engine.py"
+TRAIN_EXAMPLES = 20_000  # 20 per client with 1000 clients: every sampled client runs full batches
 
 
 def experiment(num_clients: int, rounds: int, run_dir: str) -> dict[str, Any]:
@@ -33,7 +36,7 @@ def experiment(num_clients: int, rounds: int, run_dir: str) -> dict[str, Any]:
         "method": "lora",
         "seed": 0,
         "rounds": rounds,
-        "task": {"name": "sst2", "max_train_examples": 2000, "max_eval_examples": 64, "max_length": 64},
+        "task": {"name": "sst2", "max_train_examples": TRAIN_EXAMPLES, "max_eval_examples": 64, "max_length": 64},
         "partition": {"kind": "iid", "num_clients": num_clients},
         "model": {"name": "minilm"},
         "adapter": {"kind": "lora", "r": 8, "alpha": 16},
@@ -98,7 +101,7 @@ def main() -> None:
         "step_seconds": timing["step_seconds"],
         "codec_seconds": timing["codec_seconds"],
         "aggregation_seconds": timing["aggregation_seconds"],
-        "workload": "MiniLM LoRA r=8 q/v, SST-2 2000 examples, seq<=64, 10 clients/round x 5 steps of batch 16",
+        "workload": f"MiniLM LoRA r=8 q/v, SST-2 {TRAIN_EXAMPLES} examples, seq<=64, 10 clients/round x 5 steps of batch 16",
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
