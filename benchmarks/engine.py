@@ -101,7 +101,8 @@ def main() -> None:
         "step_seconds": timing["step_seconds"],
         "codec_seconds": timing["codec_seconds"],
         "aggregation_seconds": timing["aggregation_seconds"],
-        "workload": f"MiniLM LoRA r=8 q/v, SST-2 {TRAIN_EXAMPLES} examples, seq<=64, 10 clients/round x 5 steps of batch 16",
+        "workload": f"MiniLM LoRA r=8 q/v, SST-2 {TRAIN_EXAMPLES} examples, seq<=64, "
+                    "10 clients/round x 5 steps of batch 16",
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
