@@ -45,13 +45,17 @@ def test_round_robin_index_covers_the_middle_cores() -> None:
     assert round_robin_core(1, 2) is None and trainable_cores(1, 2) == (1, 2)
 
 
-def expected_upload_keys(model: torch.nn.Module, trainable: Sequence[str], round_idx: int) -> set[str]:
-    """Computed from the paper's rule directly: G_1, G_r, G_J of every adapter TT layer, r = t mod (J-2) + 2."""
+def expected_upload_keys(model: torch.nn.Module, trainable: Sequence[str], round_idx: int,
+                         biases: bool = False) -> set[str]:
+    """Computed from the paper's rule directly: G_1, G_r, G_J of every adapter TT layer, r = t mod (J-2) + 2,
+    and the head; the adapters' biases only with ``biases``."""
     frozen = set()
     for name, layer in tt_layers(model).items():
         num_cores = layer.num_cores
         r = round_idx % (num_cores - 2) + 2
         frozen |= {f"{name}.cores.{j - 1}" for j in range(1, num_cores + 1) if j not in (1, r, num_cores)}
+        if not biases:
+            frozen.add(f"{name}.bias")
     return set(trainable) - frozen
 
 
@@ -88,10 +92,10 @@ def test_fedtt_plus_uploads_exactly_the_trained_cores_and_keeps_frozen_ones_iden
     for t, record in enumerate(records, start=1):
         keys = expected_upload_keys(model, trainable, t)
         assert len(keys) < len(trainable)
-        assert {k for k in keys if ".cores." not in k} == {k for k in trainable if ".cores." not in k}
+        assert {k for k in keys if ".cores." not in k} == {k for k in trainable if ".adapter" not in k}  # the head
         start = global_states[t - 1]
         message = exp.up_codec.encode({k: start[k] for k in sorted(keys)})
-        assert record["bytes_up"] == [len(message)] * 3  # exactly those cores + biases + head
+        assert record["bytes_up"] == [len(message)] * 3  # exactly those cores + head
         assert record["method"]["trained_params"] == sum(start[k].numel() for k in keys)
         frozen = set(trainable) - keys
         for state in client_states[t]:  # every client, after its local training
@@ -103,6 +107,32 @@ def test_fedtt_plus_uploads_exactly_the_trained_cores_and_keeps_frozen_ones_iden
     # and the core frozen in round 1 but trained in round 2 did move
     moved = expected_upload_keys(model, trainable, 2) - expected_upload_keys(model, trainable, 1)
     assert moved and all(not torch.equal(global_states[2][k], global_states[1][k]) for k in moved)
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_fedtt_plus_adapter_biases_frozen_unless_asked(toy_files: tuple[Path, Path], tmp_path: Path,
+                                                       biases: bool) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="fedtt_plus", adapter=SMALL_MODES,
+                          strategy={"name": "fedavg", "selection": "all", "clients_per_round": None,
+                                    "train_adapter_biases": biases},
+                          partition={"kind": "iid", "num_clients": 3})
+    exp = prepare(build_config(raw))
+    trainable = list(exp.slot.trainable)
+    adapter_biases = {k for k in trainable if ".adapter" in k and k.endswith(".bias")}
+    assert adapter_biases
+    for t in (1, 2, 3):
+        keys = exp.algorithm.round_keys(t)
+        assert keys == expected_upload_keys(exp.backbone.model, trainable, t, biases=biases)
+        assert adapter_biases & keys == (adapter_biases if biases else set())
+
+
+def test_fedtt_plus_rejects_a_mistyped_option(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="fedtt_plus", adapter=SMALL_MODES,
+                          strategy={"name": "fedavg", "train_adapter_biases": "sometimes"})
+    with pytest.raises(ConfigError, match=r"strategy\.train_adapter_biases"):
+        prepare(build_config(raw))
 
 
 @pytest.mark.parametrize("method", ["fedtt", "fedtt_plus"])

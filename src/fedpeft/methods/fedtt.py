@@ -8,8 +8,12 @@ of the cross terms by training, in round t, only G_1, G_r and G_J of every TT ad
 
     r - 1 = mod(t, J - 2)         (Alg. 2, line 3)
 
-The other cores stay frozen, hence identical on all clients, and only the trained cores, the
-biases and the classification head are uploaded and averaged (lines 8, 10).
+The other cores stay frozen, hence identical on all clients, and only the trained cores and the
+classification head are uploaded and averaged (lines 5-10). The adapters' biases are frozen at
+their initial values: Alg. 2 trains and sends only {G_1, G_r, G_J} (+ the always-trainable head),
+and the paper's parameter counts (Table 1: 0.02M for FedTT+ vs 0.06M for FedTT on DeBERTa-base;
+Tables 12, 14) only add up without the 24 x (64 + 768) adapter biases. ``strategy.train_adapter_biases:
+true`` trains and uploads them every round as well (FedTT's trainable set minus the frozen cores).
 
 Choices, with reasons:
 - Index convention. Read with 1-based cores, ``r = mod(t, J-2) + 1`` would give r = 1 (= G_1)
@@ -23,7 +27,7 @@ Choices, with reasons:
   rest from earlier rounds. Our clients are stateless (a client may be simulated in a fresh
   process, and memory must not grow with the number of clients), so the downlink carries the
   whole global TT state; the frozen cores in it are the server's, identical for every client.
-  The uplink is exactly Alg. 2's: the trained cores, biases and head.
+  The uplink is exactly Alg. 2's: the trained cores and the head.
 - Aggregation is the configured strategy (FedAvg, sample-weighted, in the recipe), per key over
   the clients that sent it, so frozen cores are never touched by the server.
 """
@@ -33,10 +37,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from fedpeft.adapters.tt import tt_layers
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
+from fedpeft.federated.strategy.fedadamw import validate_options
 from fedpeft.federated.types import ClientTask, State
+
+
+class FedTTPlusOptions(BaseModel):
+    """FedTT+'s own knobs in the ``strategy`` section."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    train_adapter_biases: bool = False  # Alg. 2: biases frozen; true: trained and sent every round
 
 
 def round_robin_core(round_idx: int, num_cores: int) -> int | None:
@@ -55,12 +70,14 @@ def trainable_cores(round_idx: int, num_cores: int) -> tuple[int, ...]:
 
 @register_algorithm
 class FedTTPlus(Algorithm):
-    """Alg. 2: per round, G_1, G_r, G_J of every TT adapter layer (+ biases + head) train and go up."""
+    """Alg. 2: per round, G_1, G_r, G_J of every TT adapter layer (+ the head) train and go up."""
 
     name = "fedtt_plus"
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
+        self.options: FedTTPlusOptions = validate_options(FedTTPlusOptions, cfg.strategy.model_extra or {},
+                                                          "strategy")
         layers = tt_layers(ctx.backbone.model)
         if not layers:
             raise ConfigError("adapter.kind", "fedtt_plus freezes tensor-train cores; use adapter.kind tt")
@@ -70,10 +87,13 @@ class FedTTPlus(Algorithm):
             name: layer.num_cores for name, layer in layers.items()
             if ".adapter." in f".{name}." and all(f"{name}.cores.{j}" in trainable for j in range(layer.num_cores))
         }
+        self.frozen_biases = frozenset() if self.options.train_adapter_biases else frozenset(
+            f"{name}.bias" for name in self.round_robin if f"{name}.bias" in trainable)
 
     def round_keys(self, round_idx: int) -> frozenset[str]:
-        """The keys trained and uploaded in ``round_idx``: every trainable key except the frozen cores."""
-        frozen = set()
+        """The keys trained and uploaded in ``round_idx``: every trainable key except the frozen cores
+        (and, by default, the adapters' biases)."""
+        frozen = set(self.frozen_biases)
         for layer, num_cores in self.round_robin.items():
             active = trainable_cores(round_idx, num_cores)
             frozen.update(f"{layer}.cores.{j - 1}" for j in range(1, num_cores + 1) if j not in active)
