@@ -75,3 +75,36 @@ def test_multiple_choice_copa_runs(tmp_path: Path) -> None:
     assert exp.backbone.head == "multiple_choice"
     records = LocalEngine(exp, tmp_path / "run").run()
     assert 0.0 <= records[0]["eval"]["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("name", ["tiny-bart", "tiny-t5"])
+def test_encoder_decoder_classification_head_is_trained(toy_files: tuple[Path, Path], tmp_path: Path,
+                                                       name: str) -> None:
+    """BART/T5 put their sequence-classification head in ``classification_head``: it must train."""
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", model={"name": name, "head": "sequence_classification"})
+    exp = prepare(build_config(raw))
+    head = [k for k in exp.slot.trainable if k.startswith("classification_head.")]
+    assert head and len(head) == len([k for k, _ in exp.backbone.model.named_parameters()
+                                      if k.startswith("classification_head.")])
+
+
+def test_parameters_missing_from_the_checkpoint_are_trained(tmp_path: Path) -> None:
+    """A checkpoint without a pooler (saved from BertModel(add_pooling_layer=False)) loads with a random
+    pooler and classifier: both train with the head instead of staying frozen at their random init."""
+    from transformers import BertConfig, BertModel
+
+    from fedpeft.adapters.base import build_adapter
+    from fedpeft.config import AdapterConfig
+
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64)
+    BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "ckpt")
+    task = TaskData("toy", "classification", ("a", "b"), ("accuracy",))
+    backbone = load_backbone(ModelConfig(name=str(tmp_path / "ckpt"), tokenizer="minilm"), task, seed=0)
+    assert set(backbone.new_parameters) == {"bert.pooler.dense.weight", "bert.pooler.dense.bias",
+                                            "classifier.weight", "classifier.bias"}
+    build_adapter(AdapterConfig(kind="lora", r=2, target_modules=["query", "value"])).apply(backbone)
+    trainable = {n for n, p in backbone.model.named_parameters() if p.requires_grad}
+    assert set(backbone.new_parameters) <= trainable
+    assert not any(n.startswith("bert.encoder") and ".lora_" not in n for n in trainable)

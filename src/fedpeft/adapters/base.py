@@ -16,7 +16,10 @@ from torch import nn
 from fedpeft.config import AdapterConfig, ConfigError
 from fedpeft.models.backbone import Backbone
 
-HEAD_MODULE_NAMES = ("classifier", "score", "qa_outputs")
+# top-level modules that are the task head in transformers' *For<Task> classes: BERT/RoBERTa/DeBERTa
+# ``classifier`` (+ DeBERTa's ``pooler``, DistilBERT's ``pre_classifier``), GPT-2/LLaMA ``score``,
+# BART/T5 ``classification_head``, extractive QA ``qa_outputs``
+HEAD_MODULE_NAMES = ("classifier", "score", "qa_outputs", "classification_head", "pre_classifier", "pooler")
 
 
 class Adapter(ABC):
@@ -32,18 +35,23 @@ class Adapter(ABC):
         """Modify ``backbone.model`` in place and set ``requires_grad`` on the trainable parameters."""
 
     def apply(self, backbone: Backbone) -> None:
-        """Freeze everything, inject, then unfreeze the task head if configured."""
+        """Freeze everything, inject, then unfreeze the task head if configured.
+
+        The head is found before injection (an adapter may wrap and rename modules; the parameter
+        objects stay the same)."""
+        head = [param for _, param in head_parameters(backbone)] if self.cfg.train_head else []
         for param in backbone.model.parameters():
             param.requires_grad_(False)
         self.inject(backbone)
-        if self.cfg.train_head:
-            for _, param in head_parameters(backbone.model):
-                param.requires_grad_(True)
+        for param in head:
+            param.requires_grad_(True)
 
 
-def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters of the task head (``classifier``/``score``/``qa_outputs`` at top level)."""
-    return [(n, p) for n, p in model.named_parameters() if n.split(".")[0] in HEAD_MODULE_NAMES]
+def head_parameters(backbone: Backbone) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of the task head: the top-level :data:`HEAD_MODULE_NAMES` modules, and every
+    parameter the checkpoint did not provide (random at load, so it must learn with the head)."""
+    new = set(backbone.new_parameters)
+    return [(n, p) for n, p in backbone.model.named_parameters() if n.split(".")[0] in HEAD_MODULE_NAMES or n in new]
 
 
 def trainable_names(model: nn.Module) -> list[str]:

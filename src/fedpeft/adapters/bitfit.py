@@ -16,7 +16,7 @@ class BitFitAdapter(Adapter):
     kind = "bitfit"
 
     def inject(self, backbone: Backbone) -> None:
-        head = {name for name, _ in head_parameters(backbone.model)}
+        head = {name for name, _ in head_parameters(backbone)}
         biases = [p for n, p in backbone.model.named_parameters() if n.endswith(".bias") and n not in head]
         if not biases:
             raise ConfigError("adapter.kind", f"bitfit: model {backbone.name!r} has no bias terms to train")

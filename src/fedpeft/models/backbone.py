@@ -49,6 +49,10 @@ class Backbone:
     head: Head
     name: str
     template: str | None = None  # masked_lm head: the LM-BFF template (None: chosen per example)
+    # parameters the checkpoint did not provide (missing or shape-mismatched: a new task head, DeBERTa's
+    # pooler, DistilBERT's pre_classifier, an MLM head a sentence encoder never shipped): random at load,
+    # so they are trained with the task head rather than left frozen at their random init
+    new_parameters: tuple[str, ...] = ()
 
 
 def minilm_path() -> Path:
@@ -151,7 +155,8 @@ def _check_head(head: Head, architecture: Architecture, task: TaskData) -> None:
 
 
 def _build_model(head: Head, source: str | None, config: PretrainedConfig, task: TaskData,
-                 attn: str | None) -> nn.Module:
+                 attn: str | None) -> tuple[nn.Module, set[str]]:
+    """The model with ``head``, and the names of the parameters its checkpoint did not provide."""
     kwargs: dict[str, object] = {}
     if attn:
         kwargs["attn_implementation"] = attn
@@ -166,8 +171,10 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
         "masked_lm": AutoModelForMaskedLM,
     }[head]
     if source is None:
-        return auto.from_config(config, **kwargs)
-    return auto.from_pretrained(source, config=config, **kwargs)
+        return auto.from_config(config, **kwargs), set()
+    model, info = auto.from_pretrained(source, config=config, output_loading_info=True, **kwargs)
+    mismatched = {key[0] if isinstance(key, tuple) else key for key in info.get("mismatched_keys", ())}
+    return model, set(info.get("missing_keys", ())) | mismatched
 
 
 def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
@@ -196,13 +203,15 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
     _check_head(head, architecture, task)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
-    model = _build_model(head, source, config, task, cfg.attn_implementation)
-    template = None
+    loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation)
+    new_ids = {id(param) for name, param in loaded.named_parameters() if name in not_in_checkpoint}
+    model, template = loaded, None
     if head == "masked_lm":
         template = cfg.template or default_template(task.name)
-        model = verbalized_classifier(model, tokenizer, task.label_names, template, cfg.label_words)
+        model = verbalized_classifier(loaded, tokenizer, task.label_names, template, cfg.label_words)
     return Backbone(model=model, tokenizer=tokenizer, architecture=architecture, head=head, name=cfg.name,
-                    template=template)
+                    template=template,
+                    new_parameters=tuple(name for name, param in model.named_parameters() if id(param) in new_ids))
 
 
 def _ensure_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
