@@ -129,9 +129,23 @@ def launch(job: tuple[str, str, str], args: argparse.Namespace) -> None:
     log = args.work_dir / f"{run_dir.name}.log"
     t0 = time.time()
     with log.open("a") as handle:
-        subprocess.run([sys.executable, __file__, "--child", str(config_path)], check=True, stdout=handle,
-                       stderr=subprocess.STDOUT)
-    print(f"{run_dir.name}: {time.time() - t0:.0f} s", flush=True)
+        code = subprocess.run([sys.executable, __file__, "--child", str(config_path)], stdout=handle,
+                              stderr=subprocess.STDOUT).returncode
+    print(f"{run_dir.name}: {time.time() - t0:.0f} s" + (f" (failed, see {log})" if code else ""), flush=True)
+
+
+def failure_reasons(jobs: list[tuple[str, str, str]], args: argparse.Namespace) -> dict[tuple[str, str, str], str]:
+    """Jobs that produced no finished run, with the last line of their log (e.g. a partition that a
+    Dirichlet draw cannot fill)."""
+    reasons = {}
+    for job in jobs:
+        name = f"{job[0]}_{job[1]}_{job[2]}_s{args.seed}"
+        if finished(args.work_dir / name, args.rounds):
+            continue
+        log = args.work_dir / f"{name}.log"
+        lines = log.read_text().strip().splitlines() if log.exists() else []
+        reasons[job] = lines[-1] if lines else "not run"
+    return reasons
 
 
 # --- results ---------------------------------------------------------------------------------------
@@ -201,7 +215,8 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def write_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command: str, machine: str) -> None:
+def write_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command: str, machine: str,
+                   failures: dict[tuple[str, str, str], str]) -> None:
     lines = [
         "# FeDeRA benchmark: LoRA vs FeDeRA (and FedFT, BitFit, Adapter) under label skew",
         "",
@@ -229,6 +244,10 @@ def write_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command
             f"{r['uplink_bytes_per_client_round']:,.0f} | {fmt(r['final_metric'])} | {fmt(r['best_metric'])} | "
             f"{fmt(r['reference_metric'])} | {r['rounds_to_90pct'] or '-'} | {r['rounds_to_95pct'] or '-'} | "
             f"{fmt(mb, 1)} | {r['wall_seconds']:.0f} |")
+    if failures:
+        lines += ["", "Runs without results:", ""]
+        lines += [f"- {task}, {partition}, {method}: `{reason}`"
+                  for (task, partition, method), reason in failures.items()]
     lines += ["", "## LoRA vs FeDeRA", ""]
     lines += comparison_lines(rows)
     (RESULTS / "federa.md").write_text("\n".join(lines) + "\n")
@@ -415,7 +434,7 @@ def main() -> None:
     host = machine()
     (RESULTS / "federa.json").write_text(json.dumps(
         {"benchmark": "federa", "command": command.strip(), "machine": host, "rows": rows}, indent=1) + "\n")
-    write_markdown(rows, args, command.strip(), host)
+    write_markdown(rows, args, command.strip(), host, failure_reasons(jobs, args))
     plot(rows)
     print(f"wrote {RESULTS / 'federa.json'} ({len(rows)} rows)")
 
