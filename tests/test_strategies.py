@@ -32,6 +32,21 @@ def test_fedavg_sample_weighted() -> None:
     assert new["z"].item() == 5.0
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedadamw"])
+def test_uniform_weighting_is_the_plain_mean(name: str) -> None:
+    """``weighting: uniform`` (FedTT's and FLASC's 1/N) ignores the sample counts, for any strategy."""
+    uniform = build_strategy(StrategyConfig(name=name, weighting="uniform", server_lr=1.0))
+    by_samples = build_strategy(StrategyConfig(name=name, weighting="samples", server_lr=1.0))
+    state = {"w": torch.tensor([1.0, 1.0])}
+    results = [result(0, 10, w=[1.0, 0.0]), result(1, 30, w=[-1.0, 2.0])]
+    if name == "fedavg":
+        assert torch.allclose(uniform.aggregate(state, results)["w"], torch.tensor([1.0, 2.0]))  # mean [0, 1]
+        assert torch.allclose(by_samples.aggregate(state, results)["w"], torch.tensor([0.5, 2.5]))
+    else:  # AdamW's first step moves each coordinate by lr * sign(mean delta): 0 stays put only uniformly
+        assert uniform.aggregate(state, results)["w"][0].item() == pytest.approx(1.0 * (1 - 0.01), abs=1e-6)
+        assert by_samples.aggregate(state, results)["w"][0].item() < 0.5
+
+
 def test_fedavg_server_lr() -> None:
     strat = build_strategy(StrategyConfig(name="fedavg", server_lr=0.5))
     new = strat.aggregate({"w": torch.tensor([0.0])}, [result(0, 1, w=[2.0])])

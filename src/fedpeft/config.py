@@ -138,6 +138,9 @@ class StrategyConfig(_Strict):
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
     tau: PositiveFloat = 1e-3
     proximal_mu: Annotated[float, Field(ge=0)] = 0.0
+    # the mean over clients: by sample count, or 1/N; None: the strategy's own default (samples, except
+    # fedadamw: uniform, as FLASC's released code)
+    weighting: Literal["samples", "uniform"] | None = None
     robust: Literal["none", "clip", "median", "trimmed_mean"] = "none"
     clip_norm: PositiveFloat = 1.0
     trim_fraction: Annotated[float, Field(ge=0, lt=0.5)] = 0.1

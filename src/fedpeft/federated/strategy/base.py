@@ -33,9 +33,16 @@ class Strategy(ABC):
     """Aggregation (sample-weighted mean, Eq. 1 of McMahan et al.) followed by a server step."""
 
     name: ClassVar[str]
+    default_weighting: ClassVar[str] = "samples"
 
     def __init__(self, cfg: StrategyConfig) -> None:
         self.cfg = cfg
+
+    @property
+    def weighting(self) -> str:
+        """``samples`` (each client by its sample count) or ``uniform`` (1/N): ``strategy.weighting`` or
+        the strategy's default."""
+        return self.cfg.weighting or self.default_weighting
 
     def client_config(self) -> dict[str, Any]:
         """Extra instructions every client gets with its task (e.g. FedProx's mu)."""
@@ -45,7 +52,7 @@ class Strategy(ABC):
         """The sample-weighted mean (or the configured robust aggregate) stepped by the server."""
         from fedpeft.federated.strategy.robust import robust_delta
 
-        return self.step(global_state, robust_delta(self.cfg, results))
+        return self.step(global_state, robust_delta(self.cfg, results, self.weighting))
 
     @abstractmethod
     def step(self, global_state: State, delta: State) -> State:

@@ -5,8 +5,9 @@ the paper calls FedAdam (App. A): the pseudo-gradient is ``g = -mean_i(delta_i)`
 local minus start), and AdamW with bias correction, ``eps`` and *decoupled* weight decay steps the
 dense global weights. It differs from :mod:`fedadam` (Reddi et al.: no bias correction, ``tau``).
 
-* ``weighting``: ``uniform`` (default; the released code's plain mean over the sampled clients,
-  sparse updates counting their zeros) or ``samples`` (weighted by ``num_samples``).
+* ``weighting`` (a common strategy field): ``uniform`` (this strategy's default) is the released
+  code's plain mean over the sampled clients, sparse updates counting their zeros; ``samples``
+  weighs by ``num_samples``. ``robust`` aggregation applies as for every strategy (not together with DP).
 * ``weight_decay`` (0.01, torch's AdamW default), ``eps`` (1e-8); ``server_lr``, ``beta1``,
   ``beta2`` come from the strategy section.
 
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedpeft.config import ConfigError
-from fedpeft.federated.strategy.base import Strategy, register_strategy, weighted_mean
+from fedpeft.federated.strategy.base import Strategy, register_strategy
+from fedpeft.federated.strategy.robust import robust_delta
 from fedpeft.federated.types import ClientResult, State
 from fedpeft.seeding import derive_seed
 
@@ -40,7 +42,6 @@ class FedAdamWOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    weighting: Literal["uniform", "samples"] = "uniform"
     weight_decay: float = Field(0.01, ge=0)
     eps: float = Field(1e-8, gt=0)
     dp_clip_norm: float = Field(0.0, ge=0)
@@ -99,12 +100,15 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torc
 @register_strategy
 class FedAdamW(Strategy):
     name = "fedadamw"
+    default_weighting = "uniform"
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.options: FedAdamWOptions = validate_options(FedAdamWOptions, cfg.model_extra or {}, "strategy")
-        if self.dp and self.options.weighting != "uniform":
+        if self.dp and self.weighting != "uniform":
             raise ConfigError("strategy.weighting", "DP-FedAdam needs uniform weighting (sensitivity is per client)")
+        if self.dp and cfg.robust != "none":
+            raise ConfigError("strategy.robust", "DP-FedAdam clips every update itself; use robust: none with it")
         if self.options.dp_noise_multiplier > 0 and not self.dp:
             raise ConfigError("strategy.dp_noise_multiplier", "noise needs a clipping norm: set strategy.dp_clip_norm")
         self.m: State = {}
@@ -124,10 +128,8 @@ class FedAdamW(Strategy):
             seed = secrets.randbits(62) if seed is None else derive_seed(seed, "dp_noise", self.steps + 1)
             delta = dp_mean(updates, self.options.dp_clip_norm, self.options.dp_noise_multiplier,
                             torch.Generator().manual_seed(seed))
-        elif self.options.weighting == "uniform":
-            delta = weighted_mean(updates, [1.0] * len(updates))
         else:
-            delta = weighted_mean(updates, [float(r.num_samples) for r in results])
+            delta = robust_delta(self.cfg, results, self.weighting)
         return self.step(global_state, delta)
 
     def step(self, global_state: State, delta: State) -> State:

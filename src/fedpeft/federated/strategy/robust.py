@@ -45,10 +45,11 @@ def trimmed_mean(updates: Sequence[State], fraction: float) -> State:
     return out
 
 
-def robust_delta(cfg: StrategyConfig, results: Sequence[ClientResult]) -> State:
-    """The aggregated update under ``cfg.robust`` (the plain weighted mean for ``none``)."""
+def robust_delta(cfg: StrategyConfig, results: Sequence[ClientResult], weighting: str = "samples") -> State:
+    """The aggregated update under ``cfg.robust`` (the plain mean for ``none``), each client weighted by
+    its sample count (``weighting="samples"``, McMahan et al.'s Eq. 1) or equally (``"uniform"``)."""
     updates = [r.update for r in results]
-    weights = [float(r.num_samples) for r in results]
+    weights = [1.0 if weighting == "uniform" else float(r.num_samples) for r in results]
     if cfg.robust == "clip":
         return weighted_mean([clip_update(u, cfg.clip_norm) for u in updates], weights)
     if cfg.robust == "median":
