@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,15 @@ def write_toy_sentiment(path: Path, n: int, seed: int) -> Path:
         lines.append(f"{' '.join(words)},{'pos' if label else 'neg'}")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a shared CPU two spinning threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
