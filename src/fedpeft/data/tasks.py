@@ -192,6 +192,7 @@ class TaskSpec:
 
     ``eval_splits`` lists the values ``task.eval_split`` accepts; the first is the default.
     ``reads_train_file``: an evaluation-only task whose training data is ``task.train_file``.
+    ``refused_splits`` pairs a split that must not be used with the reason why.
     """
 
     name: str
@@ -202,6 +203,7 @@ class TaskSpec:
     loader: Loader
     eval_splits: tuple[str, ...] = ("dev",)
     reads_train_file: bool = False
+    refused_splits: tuple[tuple[str, str], ...] = ()
 
 
 def _require_file(path: Path) -> Path:
@@ -557,10 +559,6 @@ def _wnut17(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
 
 def _squad(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
     """SQuAD v1.1 dev split by article title (:func:`fedpeft.data.squad.split_by_title`)."""
-    if eval_split == "xquad":
-        raise ConfigError("task.eval_split", "squad trains on SQuAD v1.1 dev articles and XQuAD is a subset of "
-                          "them, so evaluating on XQuAD would test on training data; use task.name: xquad with a "
-                          "SQuAD-format task.train_file of other articles (e.g. SQuAD v1.1 train)")
     path = _require_file(data_dir / "qa" / "squad_v1.1" / "dev-v1.1.json")
     return split_by_title(read_squad(path, "task.data_dir"))
 
@@ -752,6 +750,9 @@ BUILTIN_TASKS: dict[str, TaskSpec] = {
             label_names=(),
             metrics=SQUAD_METRICS,
             loader=_squad,
+            refused_splits=(("xquad", "squad trains on SQuAD v1.1 dev articles and XQuAD is a subset of them, so "
+                             "evaluating on XQuAD would test on training data; use task.name: xquad with a "
+                             "SQuAD-format task.train_file of other articles (e.g. SQuAD v1.1 train)"),),
         ),
         TaskSpec(
             name="xquad",
@@ -797,6 +798,9 @@ def _load_builtin(spec: TaskSpec, cfg: TaskConfig, data_dir: Path) -> TaskData:
                 f"only used when task.name is 'file' or 'hf'; built-in task {spec.name!r} defines its own",
             )
     eval_split = cfg.eval_split or spec.eval_splits[0]
+    refused = dict(spec.refused_splits)
+    if eval_split in refused:
+        raise ConfigError("task.eval_split", refused[eval_split])
     if eval_split not in spec.eval_splits:
         raise ConfigError(
             "task.eval_split",
