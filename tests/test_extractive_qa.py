@@ -19,9 +19,8 @@ from fedpeft.data.types import Example
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.metrics.squad import exact_match, normalize_answer, squad_scores, token_f1
-from fedpeft.models.backbone import minilm_path
 from fedpeft.models.span_qa import NOT_CONTEXT, SpanAnswers, best_span, encode_qa, span_targets
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, tiny_per_token_config
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -56,29 +55,10 @@ def write_squad(path: Path, articles: list[dict[str, Any]]) -> Path:
 
 def qa_raw(tmp_path: Path, method: str = "full", **sections: Any) -> dict[str, Any]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    raw: dict[str, Any] = {
-        "method": method, "seed": 0, "rounds": 4,
-        "task": {"name": "file", "problem_type": "extractive_qa", "max_length": 24, "doc_stride": 6,
-                 "train_file": str(write_squad(tmp_path / "train.json", toy_articles(160, 0, "train"))),
-                 "eval_file": str(write_squad(tmp_path / "eval.json", toy_articles(40, 1, "eval")))},
-        "partition": {"kind": "iid", "num_clients": 2},
-        "model": {"name": "tiny-bert"},
-        "adapter": {},
-        "client": {"optimizer": "adam", "lr": 0.005, "batch_size": 16, "local_epochs": 2},
-        "strategy": {"name": "fedavg", "clients_per_round": 2},
-        "evaluation": {"at_start": True},
-        "output": {"run_dir": str(tmp_path / "run"), "progress": False},
-    }
-    for key, value in sections.items():
-        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
-    return raw
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(minilm_path()))
+    task = {"problem_type": "extractive_qa", "doc_stride": 6,
+            "train_file": str(write_squad(tmp_path / "train.json", toy_articles(160, 0, "train"))),
+            "eval_file": str(write_squad(tmp_path / "eval.json", toy_articles(40, 1, "eval")))}
+    return tiny_per_token_config(tmp_path, method, task, **sections)
 
 
 def _example(question: str, context: str, answers: list[str]) -> Example:
@@ -176,7 +156,7 @@ def test_xquad_never_trains_on_squad_dev_articles(tmp_path: Path) -> None:
 # Windows and post-processing
 
 
-def test_windows_keep_every_answer_inside_one(tokenizer: Any) -> None:
+def test_windows_keep_every_answer_inside_one(minilm_tokenizer: Any) -> None:
     rng = random.Random(3)
     examples = []
     for _ in range(30):
@@ -187,7 +167,7 @@ def test_windows_keep_every_answer_inside_one(tokenizer: Any) -> None:
         start = len(" ".join(words[:begin])) + (1 if begin else 0)
         examples.append(Example(texts=("which colour is it ?", context), label=None, group="t",
                                 references=(answer,), answer_starts=(start,)))
-    features, spans = encode_qa(examples, tokenizer, max_length=24, doc_stride=6)
+    features, spans = encode_qa(examples, minilm_tokenizer, max_length=24, doc_stride=6)
     assert len(features) > 2 * len(examples)  # long contexts really are cut into several windows
     found = set()
     for row, feature in enumerate(features):
@@ -206,21 +186,21 @@ def test_windows_keep_every_answer_inside_one(tokenizer: Any) -> None:
         assert before[-6:] == after[:6]
 
 
-def test_span_targets_and_too_large_stride(tokenizer: Any) -> None:
+def test_span_targets_and_too_large_stride(minilm_tokenizer: Any) -> None:
     offsets = np.array([[NOT_CONTEXT] * 2, [0, 3], [4, 9], [10, 12], [NOT_CONTEXT] * 2])
     assert span_targets(offsets, 4, 12) == (2, 3)
     assert span_targets(offsets, 5, 8) == (2, 2)  # an answer inside one token
     assert span_targets(offsets, 10, 20) == (0, 0)  # runs past the window: [CLS]
     with pytest.raises(ConfigError, match="must be below") as caught:
-        encode_qa([_example("q ?", "a b c", ["b"])], tokenizer, max_length=24, doc_stride=12)
+        encode_qa([_example("q ?", "a b c", ["b"])], minilm_tokenizer, max_length=24, doc_stride=12)
     assert caught.value.field == "task.doc_stride"
 
 
-def test_post_processing_recovers_gold_spans_from_perfect_logits(tokenizer: Any) -> None:
+def test_post_processing_recovers_gold_spans_from_perfect_logits(minilm_tokenizer: Any) -> None:
     context = " ".join(f"the {t} is {c} ." for t, c in zip(THINGS, COLORS)) + " the hat is very dark green ."
     examples = [_example("what color is the boat ?", context, ["blue"]),
                 _example("what color is the hat ?", context, ["very dark green", "green"])]
-    features, spans = encode_qa(examples, tokenizer, max_length=24, doc_stride=8)
+    features, spans = encode_qa(examples, minilm_tokenizer, max_length=24, doc_stride=8)
     scores = []
     for feature in features:
         logits = np.full((len(feature["input_ids"]), 2), -5.0)
@@ -301,7 +281,7 @@ def test_soft_prompt_shifts_span_targets_and_cuts_span_logits(tmp_path: Path) ->
 
 @pytest.mark.real
 @pytest.mark.skipif(not (SHARED_DATA / "qa" / "squad_v1.1").is_dir(), reason="no SQuAD files")
-def test_squad_split_and_windows_on_the_real_file(tokenizer: Any) -> None:
+def test_squad_split_and_windows_on_the_real_file(minilm_tokenizer: Any) -> None:
     task = load_task(TaskConfig(name="squad"), SHARED_DATA)
     assert (len(task.train), len(task.eval)) == (9_231, 1_339)
     assert (len({e.group for e in task.train}), len({e.group for e in task.eval})) == (39, 9)
@@ -310,6 +290,6 @@ def test_squad_split_and_windows_on_the_real_file(tokenizer: Any) -> None:
         load_task(TaskConfig(name="xquad", train_file=str(SHARED_DATA / "qa" / "squad_v1.1" / "dev-v1.1.json")),
                   SHARED_DATA)
     sample = task.eval[:400]
-    features, spans = encode_qa(sample, tokenizer, max_length=384, doc_stride=128)
+    features, spans = encode_qa(sample, minilm_tokenizer, max_length=384, doc_stride=128)
     inside = {spans.example_of[row] for row, f in enumerate(features) if f["start_positions"][0] != 0}
     assert inside == set(range(len(sample)))

@@ -18,7 +18,6 @@ from fedpeft.data.tasks import WNUT17_TAGS, load_task
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.metrics.entity import entity_scores
-from fedpeft.models.backbone import minilm_path
 from fedpeft.models.token_tagging import (
     IGNORE_INDEX,
     TokenTagging,
@@ -28,7 +27,7 @@ from fedpeft.models.token_tagging import (
     first_subtoken_scores,
     greedy_bio_decode,
 )
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, tiny_per_token_config
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -58,29 +57,10 @@ def write_toy_conll(path: Path, n: int, seed: int) -> Path:
 
 def ner_raw(tmp_path: Path, method: str = "full", **sections: Any) -> dict[str, Any]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    raw: dict[str, Any] = {
-        "method": method, "seed": 0, "rounds": 4,
-        "task": {"name": "file", "problem_type": "token_classification", "max_length": 24,
-                 "train_file": str(write_toy_conll(tmp_path / "train.conll", 160, 0)),
-                 "eval_file": str(write_toy_conll(tmp_path / "eval.conll", 40, 1))},
-        "partition": {"kind": "iid", "num_clients": 2},
-        "model": {"name": "tiny-bert"},
-        "adapter": {},
-        "client": {"optimizer": "adam", "lr": 0.005, "batch_size": 16, "local_epochs": 2},
-        "strategy": {"name": "fedavg", "clients_per_round": 2},
-        "evaluation": {"at_start": True},
-        "output": {"run_dir": str(tmp_path / "run"), "progress": False},
-    }
-    for key, value in sections.items():
-        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
-    return raw
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(minilm_path()))
+    task = {"problem_type": "token_classification",
+            "train_file": str(write_toy_conll(tmp_path / "train.conll", 160, 0)),
+            "eval_file": str(write_toy_conll(tmp_path / "eval.conll", 40, 1))}
+    return tiny_per_token_config(tmp_path, method, task, **sections)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,21 +116,21 @@ def test_align_labels_first_subtoken_and_all_subtokens() -> None:
         IGNORE_INDEX, 1, 2, 3, 4, 4, 0, IGNORE_INDEX]
 
 
-def test_alignment_on_hand_made_sentences(tokenizer: Any) -> None:
+def test_alignment_on_hand_made_sentences(minilm_tokenizer: Any) -> None:
     from fedpeft.data.types import Example
 
     sentences = [(["Pxleyes", "loves", "New", "York"], [3, 0, 1, 2]), (["Toy", "story", "3"], [0, 0, 0])]
     examples = [Example(texts=(" ".join(w),), label=None, words=tuple(w), tags=tuple(t)) for w, t in sentences]
-    features, tagging = encode_tagging(examples, tokenizer, TAGS, max_length=16)
-    tokens = tokenizer.convert_ids_to_tokens(features[0]["input_ids"])
+    features, tagging = encode_tagging(examples, minilm_tokenizer, TAGS, max_length=16)
+    tokens = minilm_tokenizer.convert_ids_to_tokens(features[0]["input_ids"])
     assert tokens == ["[CLS]", "p", "##xley", "##es", "loves", "new", "york", "[SEP]"]
     assert features[0]["labels"] == [IGNORE_INDEX, 3, IGNORE_INDEX, IGNORE_INDEX, 0, 1, 2, IGNORE_INDEX]
     assert features[1]["labels"] == [IGNORE_INDEX, 0, 0, 0, IGNORE_INDEX]
     assert tagging.gold[0] == ["B-person", "O", "B-location", "I-location"]
-    every, _ = encode_tagging(examples, tokenizer, TAGS, max_length=16, label_all=True)
+    every, _ = encode_tagging(examples, minilm_tokenizer, TAGS, max_length=16, label_all=True)
     assert every[0]["labels"] == [IGNORE_INDEX, 3, 4, 4, 0, 1, 2, IGNORE_INDEX]
     # truncation drops the last words' tokens; they are scored as O against the full gold sequence
-    short, cut = encode_tagging(examples, tokenizer, TAGS, max_length=5)
+    short, cut = encode_tagging(examples, minilm_tokenizer, TAGS, max_length=5)
     assert short[0]["labels"] == [IGNORE_INDEX, 3, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     scores = np.zeros((5, len(TAGS)))
     scores[1, 3] = 5.0
