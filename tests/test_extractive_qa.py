@@ -230,7 +230,7 @@ def test_best_span_rules() -> None:
 
 
 def test_tiny_encoder_learns_toy_qa(tmp_path: Path) -> None:
-    exp = prepare(build_config(qa_raw(tmp_path)))
+    exp = prepare(build_config(qa_raw(tmp_path, evaluation={"per_client": True})))
     assert exp.backbone.head == "question_answering"
     assert len(exp.train_data) > len(exp.task.train)  # windows: several rows for some questions
     assert sum(len(rows) for rows in exp.train_rows) == len(exp.train_data)
@@ -239,6 +239,9 @@ def test_tiny_encoder_learns_toy_qa(tmp_path: Path) -> None:
     assert losses[-1] < 0.7 * losses[0]
     assert sum(records[-1]["num_samples"]) == len(exp.train_data)  # clients train on windows
     assert records[-1]["eval"]["squad_f1"] > records[0]["eval"]["squad_f1"]
+    # per-client evaluation scores each client's own training questions (all windows of each)
+    assert set(records[-1]["client_eval"]) == {"0", "1"}
+    assert all(0.0 <= m["exact_match"] <= 1.0 for m in records[-1]["client_eval"].values())
 
 
 @pytest.mark.parametrize("method", ["lora", "federa", "bitfit", "adapter", "prompt_tuning", "headprune"])
