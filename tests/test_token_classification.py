@@ -226,16 +226,6 @@ def test_tiny_encoder_learns_toy_ner(tmp_path: Path) -> None:
     assert set(records[-1]["eval"]) == {"entity_f1", "entity_precision", "entity_recall", "tag_accuracy"}
 
 
-@pytest.mark.parametrize("method", ["lora", "federa", "bitfit", "adapter", "prompt_tuning", "p_tuning_v2"])
-def test_recipes_train_a_token_classifier(tmp_path: Path, method: str) -> None:
-    raw = ner_raw(tmp_path, method, rounds=1, task={"max_train_examples": 32},
-                  adapter={"r": 4, "alpha": 4} if method in ("lora", "federa") else {})
-    exp = prepare(build_config(raw))
-    records = LocalEngine(exp, tmp_path / "run").run()
-    assert np.isfinite(records[-1]["train_loss"]) and 0.0 <= records[-1]["eval"]["entity_f1"] <= 1.0
-    assert any(name.startswith("classifier.") for name in exp.slot.trainable)
-
-
 def test_recipes_that_cannot_apply_say_so(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hidden x hidden head layer") as caught:
         prepare(build_config(ner_raw(tmp_path, "fedtt", adapter={"tt_classifier": True})))
