@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,15 @@ def write_toy_sentiment(path: Path, n: int, seed: int) -> Path:
         lines.append(f"{' '.join(words)},{'pos' if label else 'neg'}")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a shared CPU two spinning threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -71,3 +81,32 @@ TIMING_FIELDS = ("time", "cum_wall_seconds", "client_seconds")
 def without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records minus wall-clock measurements, which differ between identical runs."""
     return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def tiny_per_token_config(tmp_path: Path, method: str, task_fields: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    """A NER or QA experiment on toy files (``task_fields``) with full local epochs on a tiny random BERT:
+    2 clients, both every round, 4 rounds; ``sections`` update the named sections."""
+    raw: dict[str, Any] = {
+        "method": method, "seed": 0, "rounds": 4,
+        "task": {"name": "file", "max_length": 24, **task_fields},
+        "partition": {"kind": "iid", "num_clients": 2},
+        "model": {"name": "tiny-bert"},
+        "adapter": {},
+        "client": {"optimizer": "adam", "lr": 0.005, "batch_size": 16, "local_epochs": 2},
+        "strategy": {"name": "fedavg", "clients_per_round": 2},
+        "evaluation": {"at_start": True},
+        "output": {"run_dir": str(tmp_path / "run"), "progress": False},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+    return raw
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer() -> Any:
+    """MiniLM's (uncased WordPiece, fast) tokenizer, the one tiny models use too."""
+    from transformers import AutoTokenizer
+
+    from fedpeft.models.backbone import minilm_path
+
+    return AutoTokenizer.from_pretrained(str(minilm_path()))

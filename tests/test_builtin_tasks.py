@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from fedpeft.config import ConfigError, TaskConfig
 from fedpeft.data.tasks import (
     BUILTIN_TASKS,
     NEWSGROUPS,
+    WNUT17_TAGS,
     load_task,
     resolve_data_dir,
     strip_newsgroup_metadata,
@@ -52,7 +54,24 @@ EXPECTED = {
     ("superglue_rte", None): (2_490, 277, 2),
     # E2E: one training row per (MR, reference); one evaluation row per MR, scored against all its references
     ("e2e_nlg", None): (4_672, 630, "generation"),
+    # sentences of the CoNLL files
+    ("wnut17", None): (3_394, 1_009, "token_classification"),
+    ("wnut17", "test"): (3_394, 1_287, "token_classification"),
+    # questions: the 48 articles of SQuAD v1.1 dev, 39 train / 9 eval by title; XQuAD's 1,190 (the 3 training
+    # questions are a tiny SQuAD-format file of other articles, written by the test: xquad reads task.train_file)
+    ("squad", None): (9_231, 1_339, "extractive_qa"),
+    ("xquad", None): (3, 1_190, "extractive_qa"),
 }
+
+
+def _other_articles(path: Path) -> str:
+    """A SQuAD-format training file sharing nothing with SQuAD dev / XQuAD (for the xquad task)."""
+    context = "Kepler launched in 2009 and watched one patch of sky."
+    qas = [{"id": str(i), "question": question, "answers": [{"text": answer, "answer_start": context.index(answer)}]}
+           for i, (question, answer) in enumerate([("When did Kepler launch?", "2009"), ("What launched?", "Kepler"),
+                                                   ("What did it watch?", "one patch of sky")])]
+    path.write_text(json.dumps({"data": [{"title": "Kepler", "paragraphs": [{"context": context, "qas": qas}]}]}))
+    return str(path)
 
 
 def test_every_builtin_task_is_covered() -> None:
@@ -60,9 +79,10 @@ def test_every_builtin_task_is_covered() -> None:
 
 
 @pytest.mark.parametrize(("name", "eval_split"), list(EXPECTED), ids=lambda value: str(value))
-def test_builtin_task_row_counts(data_dir: Path, name: str, eval_split: str | None) -> None:
+def test_builtin_task_row_counts(data_dir: Path, tmp_path: Path, name: str, eval_split: str | None) -> None:
     train_rows, eval_rows, num_classes = EXPECTED[(name, eval_split)]
-    task = load_task(TaskConfig(name=name, eval_split=eval_split), data_dir)
+    train_file = _other_articles(tmp_path / "train.json") if name == "xquad" else None
+    task = load_task(TaskConfig(name=name, eval_split=eval_split, train_file=train_file), data_dir)
     assert (len(task.train), len(task.eval)) == (train_rows, eval_rows)
     assert task.metrics == BUILTIN_TASKS[name].metrics
     if num_classes == "regression":
@@ -72,6 +92,14 @@ def test_builtin_task_row_counts(data_dir: Path, name: str, eval_split: str | No
         assert task.problem_type == "generation"
         assert sum(len(example.references) for example in task.eval) == 4_693  # every reference of the test set
         assert all(len(example.references) == 1 for example in task.train)
+    elif num_classes == "token_classification":
+        assert task.label_names == WNUT17_TAGS
+        assert all(len(example.words) == len(example.tags) > 0 for example in task.train + task.eval)
+        assert all(0 <= example.label < len(task.example_classes) for example in task.train + task.eval)
+    elif num_classes == "extractive_qa":
+        assert all(example.texts[1][start : start + len(text)] == text for example in task.train + task.eval
+                   for text, start in zip(example.references, example.answer_starts, strict=True))
+        assert {example.group for example in task.train}.isdisjoint({example.group for example in task.eval})
     else:
         assert len(Counter(example.label for example in task.train)) == num_classes
         assert all(0 <= example.label < len(task.label_names) for example in task.train + task.eval)

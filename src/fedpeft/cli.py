@@ -103,8 +103,10 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     task, shards = load_data(cfg, args.data_dir)
     console.print(f"[bold]{task.name}[/]: {len(task.train)} train / {len(task.eval)} eval, "
                   f"{task.problem_type}, labels {list(task.label_names)}, metrics {list(task.metrics)}")
-    rows = describe_partition(shards, [ex.label for ex in task.train], task.label_names)
-    console.print(format_partition_table(rows, task.label_names))
+    if task.class_names != task.label_names:
+        console.print(f"{len(task.class_names)} partition classes (FeDeRA App. A.2): {list(task.class_names)[:8]} ...")
+    rows = describe_partition(shards, [ex.label for ex in task.train], task.class_names)
+    console.print(format_partition_table(rows, task.class_names))
     return 0
 
 

@@ -38,6 +38,12 @@ class TaskConfig(_Strict):
 
     ``name`` is a built-in task (``sst2``, ``mnli``, ``20newsgroups``, ...), ``file`` for a
     user's own files described by the fields below, or ``hf`` for a Hugging Face dataset id.
+
+    Token classification (NER): ``label_all_subtokens`` labels every sub-token of a word (B-X
+    becomes I-X after the first) instead of the first only; ``token_class_by`` says what a
+    sentence's class is for label-skewed partitions: the set of its tags (FeDeRA App. A.2,
+    Table 6) or of its entity types. Extractive QA: ``doc_stride`` is the overlap, in tokens,
+    of consecutive windows over a long context.
     """
 
     name: str = "sst2"
@@ -58,13 +64,18 @@ class TaskConfig(_Strict):
     label_column: str | int | None = None
     label_names: list[str] | None = None
     label_map: dict[str, int] | None = None
-    problem_type: Literal["classification", "regression", "multiple_choice", "generation"] | None = None
+    problem_type: Literal["classification", "regression", "multiple_choice", "generation", "token_classification",
+                          "extractive_qa"] | None = None
     metrics: list[str] | None = None
     group_column: str | int | None = None
     hf_dataset: str | None = None
     hf_config: str | None = None
     hf_train_split: str = "train"
     hf_eval_split: str = "validation"
+    # token classification and extractive QA
+    label_all_subtokens: bool = False
+    token_class_by: Literal["tags", "entity_types"] = "tags"
+    doc_stride: PositiveInt = 128
 
 
 class PartitionConfig(_Strict):
@@ -84,7 +95,8 @@ class ModelConfig(_Strict):
     """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``."""
 
     name: str = "minilm"
-    head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm"] = "auto"
+    head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm",
+                  "token_classification", "question_answering"] = "auto"
     tokenizer: str | None = None
     attn_implementation: str | None = None
     tiny_hidden_size: PositiveInt = 32
@@ -186,12 +198,19 @@ class NetworkConfig(_Strict):
 
 class EvaluationConfig(_Strict):
     """When and how the global model is evaluated. ``max_new_tokens`` and ``num_beams`` (1 = greedy)
-    bound the decoding of generation tasks; ``task.max_eval_examples`` bounds how many are generated."""
+    bound the decoding of generation tasks; ``task.max_eval_examples`` bounds how many are generated.
+    Extractive QA keeps the ``n_best_size`` best start and end logits of each window and answers of
+    at most ``max_answer_length`` tokens; token classification reads each word's tag off its first
+    sub-token (``bio_decoding: argmax``) or left to right among the tags a BIO sequence allows next
+    (``constrained``)."""
 
     every: PositiveInt = 1
     batch_size: PositiveInt = 64
     max_new_tokens: PositiveInt = 64
     num_beams: PositiveInt = 1
+    n_best_size: PositiveInt = 20
+    max_answer_length: PositiveInt = 30
+    bio_decoding: Literal["argmax", "constrained"] = "argmax"
     per_client: bool = False
     at_start: bool = False
 

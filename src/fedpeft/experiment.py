@@ -27,16 +27,28 @@ from fedpeft.federated.codec import Codec, build_codec
 from fedpeft.federated.types import State
 from fedpeft.metrics.task_metrics import compute_metrics
 from fedpeft.models.backbone import Backbone, load_backbone
-from fedpeft.models.encoding import EncodedData, GenerationSettings, encode_examples, predict
+from fedpeft.models.encoding import (
+    EncodedData,
+    GenerationSettings,
+    SpanSettings,
+    encode_examples,
+    predict,
+    token_scores,
+)
 from fedpeft.models.generation import evaluate_generation
 from fedpeft.recipes import RECIPES
 
 
 @dataclass
 class Experiment:
+    """A prepared run. ``shards`` are the partition (example indices per client); ``train_rows``
+    the rows of ``train_data`` each client trains on (the same indices, except for QA, whose long
+    contexts give several windows per example)."""
+
     cfg: ExperimentConfig
     task: TaskData
     shards: list[np.ndarray]
+    train_rows: list[np.ndarray]
     backbone: Backbone
     slot: ModelSlot
     train_data: EncodedData
@@ -79,19 +91,21 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     torch.manual_seed(cfg.seed)
     build_adapter(cfg.adapter).apply(backbone)
     slot = ModelSlot(backbone.model, trainable_names(backbone.model))
+    spans = SpanSettings.from_config(cfg)
     train_data = encode_examples(task.train, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
-                                 template=backbone.template)
+                                 template=backbone.template, spans=spans)
     eval_data = encode_examples(task.eval, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
-                                template=backbone.template)
+                                template=backbone.template, spans=spans)
     for data in (train_data, eval_data):
         if data.generation is not None:
             data.generation = GenerationSettings(backbone.tokenizer, cfg.evaluation.max_new_tokens,
                                                  cfg.evaluation.num_beams)
-    ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=shards, train_data=train_data)
+    train_rows = [train_data.rows_of(shard) for shard in shards]
+    ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=train_rows, train_data=train_data)
     algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
     initial_state = algorithm.initial_state(slot.read())
     return Experiment(
-        cfg=cfg, task=task, shards=shards, backbone=backbone, slot=slot, train_data=train_data,
+        cfg=cfg, task=task, shards=shards, train_rows=train_rows, backbone=backbone, slot=slot, train_data=train_data,
         eval_data=eval_data, algorithm=algorithm, down_codec=build_codec(cfg.codec.down, "down"),
         up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state,
     )
@@ -99,9 +113,13 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
 
 def evaluate(slot: ModelSlot, data: EncodedData, task: TaskData, state: State, batch_size: int,
              indices: Sequence[int] | None = None) -> dict[str, float]:
-    """Load ``state`` and compute the task's metrics on ``data`` (all of it, or ``indices``)."""
+    """Load ``state`` and compute the task's metrics on ``data`` (all of its examples, or the
+    examples ``indices``)."""
     slot.load(state)
     slot.model.eval()
+    if data.scorer is not None:
+        rows = list(range(len(data))) if indices is None else data.rows_of(indices).tolist()
+        return data.scorer.score(rows, token_scores(slot.model, data, rows, batch_size), task.metrics)
     order = list(range(len(data))) if indices is None else [int(i) for i in indices]
     if data.generation is not None:
         return evaluate_generation(slot.model, data, order, batch_size, task.metrics)

@@ -23,6 +23,9 @@ and are rejected with a clear error; ``prompt_tuning`` works with them.
 
 Both adapters register their module on the top-level model (stable parameter names) and hook the
 "language model" inside a verbalizer wrapper when there is one (see :mod:`fedpeft.models.verbalizer`).
+The input soft prompt shifts every token by T places: per-token targets (token labels, QA start/end
+positions) are shifted with them and per-token outputs are cut back to the real tokens, so token
+classification and QA heads see the prompt only through attention.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from fedpeft.models.backbone import Backbone
 PREFIX_MODULE = "prefix_encoder"
 PROMPT_MODULE = "prompt_encoder"
 IGNORE_INDEX = -100
+SPAN_POSITIONS = ("start_positions", "end_positions")
+SPAN_LOGITS = ("start_logits", "end_logits")
 
 
 class _PromptOptions(BaseModel):
@@ -179,8 +184,11 @@ def _soft_prompt_hooks(prompt: SoftPrompt, embeddings: nn.Module, left_align: bo
             types = kwargs["token_type_ids"]
             kwargs["token_type_ids"] = torch.cat([torch.zeros(batch, n, dtype=types.dtype), types], dim=1)
         labels = kwargs.get("labels")
-        if labels is not None and labels.dim() == 2:  # token-level labels (causal LM): prompt positions ignored
+        if labels is not None and labels.dim() == 2:  # token-level labels (causal LM, NER): prompt positions ignored
             kwargs["labels"] = torch.cat([torch.full((batch, n), IGNORE_INDEX, dtype=labels.dtype), labels], dim=1)
+        for key in SPAN_POSITIONS:  # QA targets index tokens, which now sit n places later
+            if kwargs.get(key) is not None:
+                kwargs[key] = kwargs[key] + n
         if left_align:
             embeds, mask, kwargs["position_ids"] = _left_align(embeds, mask)
         kwargs["inputs_embeds"] = embeds
@@ -188,9 +196,14 @@ def _soft_prompt_hooks(prompt: SoftPrompt, embeddings: nn.Module, left_align: bo
         return (), kwargs
 
     def post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not prompt.enabled:
+            return output
         logits = getattr(output, "logits", None)
-        if prompt.enabled and logits is not None and logits.dim() == 3:
+        if logits is not None and logits.dim() == 3:
             output.logits = logits[:, prompt.num_tokens :]
+        for key in SPAN_LOGITS:
+            if getattr(output, key, None) is not None:
+                setattr(output, key, getattr(output, key)[:, prompt.num_tokens :])
         return output
 
     return pre_hook, post_hook

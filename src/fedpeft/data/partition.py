@@ -10,6 +10,11 @@ of :class:`~fedpeft.config.PartitionConfig`:
 - ``label_proportions``: each client's label distribution given row by row (FedTT App. B);
 - ``natural``: a group per example names its client.
 
+The "label" of an example is its class: for token classification (NER) the set of tags it holds,
+for extractive QA its article title (FeDeRA App. A.2; assigned by
+:func:`fedpeft.data.tasks.with_example_classes`), so ``dirichlet`` skews clients over those
+classes, and ``natural`` gives every QA article its own client.
+
 Every random choice comes from ``numpy.random.default_rng(seed)``: the same seed gives the same
 shards. :func:`describe_partition` and :func:`format_partition_table` summarise shards.
 """

@@ -7,7 +7,9 @@ Three kinds of task, picked by ``task.name``:
   in the format each one ships in (GLUE TSV, JSON objects of records, SuperGLUE JSONL, the
   20 Newsgroups tarball, ...);
 - ``file`` reads a user's own CSV / TSV / JSON / JSONL / Parquet files, described by the
-  ``task.*`` fields (text columns, label column, label set, problem type, metrics);
+  ``task.*`` fields (text columns, label column, label set, problem type, metrics); with
+  ``problem_type: token_classification`` CoNLL files (:mod:`fedpeft.data.conll`), with
+  ``extractive_qa`` SQuAD-format JSON (:mod:`fedpeft.data.squad`);
 - ``hf`` reads a Hugging Face dataset id with ``datasets.load_dataset`` (optional dependency).
 
 :func:`load_task` dispatches and returns a :class:`~fedpeft.data.types.TaskData`. Every bad value
@@ -22,7 +24,7 @@ import math
 import os
 import tarfile
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +32,12 @@ import numpy as np
 import pandas as pd
 
 from fedpeft.config import ConfigError, TaskConfig
-from fedpeft.data.types import Example, ProblemType, TaskData
+from fedpeft.data.conll import Sentence, read_conll, sentence_class, tag_ids, tag_set
+from fedpeft.data.squad import check_no_overlap, read_squad, split_by_title
+from fedpeft.data.types import SPAN_PROBLEMS, Example, ProblemType, TaskData
+from fedpeft.metrics.entity import ENTITY_METRICS
 from fedpeft.metrics.rouge import ROUGE_METRICS
+from fedpeft.metrics.squad import SQUAD_METRICS
 from fedpeft.metrics.task_metrics import METRIC_NAMES
 
 SUBSAMPLE_SEED = 0
@@ -185,6 +191,8 @@ class TaskSpec:
     """A built-in task: what it is, its label set and metrics (first = primary), its loader.
 
     ``eval_splits`` lists the values ``task.eval_split`` accepts; the first is the default.
+    ``reads_train_file``: an evaluation-only task whose training data is ``task.train_file``.
+    ``refused_splits`` pairs a split that must not be used with the reason why.
     """
 
     name: str
@@ -194,6 +202,8 @@ class TaskSpec:
     metrics: tuple[str, ...]
     loader: Loader
     eval_splits: tuple[str, ...] = ("dev",)
+    reads_train_file: bool = False
+    refused_splits: tuple[tuple[str, str], ...] = ()
 
 
 def _require_file(path: Path) -> Path:
@@ -521,6 +531,50 @@ def _e2e_nlg(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
     return train, evaluation
 
 
+WNUT17_TAGS = (
+    "O", "B-corporation", "I-corporation", "B-creative-work", "I-creative-work", "B-group", "I-group",
+    "B-location", "I-location", "B-person", "I-person", "B-product", "I-product",
+)
+
+
+def token_examples(sentences: Sequence[Sentence], names: Sequence[str], source: str) -> list[Example]:
+    """CoNLL sentences as token-classification examples (classes are assigned later)."""
+    return [
+        Example(texts=(" ".join(words),), label=None, words=tuple(words), tags=tuple(ids))
+        for (words, _tags), ids in zip(sentences, tag_ids(sentences, names, source))
+    ]
+
+
+def _builtin_conll(path: Path, names: Sequence[str]) -> list[Example]:
+    return token_examples(read_conll(_require_file(path), "task.data_dir"), names, str(path))
+
+
+def _wnut17(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
+    """WNUT 2017 emerging entities: train on ``wnut17train.conll``; evaluate on
+    ``emerging.dev.conll`` or, with ``eval_split: test``, ``emerging.test.annotated``."""
+    base = data_dir / "ner" / "wnut17"
+    eval_file = {"dev": "emerging.dev.conll", "test": "emerging.test.annotated"}[eval_split]
+    return _builtin_conll(base / "wnut17train.conll", WNUT17_TAGS), _builtin_conll(base / eval_file, WNUT17_TAGS)
+
+
+def _squad(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
+    """SQuAD v1.1 dev split by article title (:func:`fedpeft.data.squad.split_by_title`)."""
+    path = _require_file(data_dir / "qa" / "squad_v1.1" / "dev-v1.1.json")
+    return split_by_title(read_squad(path, "task.data_dir"))
+
+
+def _xquad(data_dir: Path, cfg: TaskConfig, eval_split: str) -> Split:
+    """Evaluate on English XQuAD after training on ``task.train_file`` (SQuAD format), which must
+    share no article or paragraph with it (:func:`fedpeft.data.squad.check_no_overlap`)."""
+    if not cfg.train_file:
+        raise ConfigError("task.train_file", "xquad is evaluation-only: set task.train_file to SQuAD-format "
+                          "training data of other articles than SQuAD v1.1 dev's (e.g. SQuAD v1.1 train)")
+    train = read_squad(_find_file(cfg.train_file, "task.train_file", data_dir), "task.train_file")
+    evaluation = read_squad(_require_file(data_dir / "qa" / "xquad" / "xquad.en.json"), "task.data_dir")
+    check_no_overlap(train, evaluation, "task.train_file", by_title=True)
+    return train, evaluation
+
+
 _BINARY_SENTIMENT = ("negative", "positive")
 _NLI_LABELS = ("entailment", "neutral", "contradiction")
 _ENTAILMENT_LABELS = ("entailment", "not_entailment")
@@ -680,6 +734,36 @@ BUILTIN_TASKS: dict[str, TaskSpec] = {
             loader=_superglue_pair_task("RTE", _ENTAILMENT_LABELS),
             eval_splits=("val",),
         ),
+        TaskSpec(
+            name="wnut17",
+            description="WNUT 2017 emerging-entity NER, 13 BIO tags (CoNLL; eval_split test: emerging.test)",
+            problem_type="token_classification",
+            label_names=WNUT17_TAGS,
+            metrics=ENTITY_METRICS,
+            loader=_wnut17,
+            eval_splits=("dev", "test"),
+        ),
+        TaskSpec(
+            name="squad",
+            description="SQuAD v1.1 extractive QA: the dev file's 48 articles split by title, 39 train / 9 eval",
+            problem_type="extractive_qa",
+            label_names=(),
+            metrics=SQUAD_METRICS,
+            loader=_squad,
+            refused_splits=(("xquad", "squad trains on SQuAD v1.1 dev articles and XQuAD is a subset of them, so "
+                             "evaluating on XQuAD would test on training data; use task.name: xquad with a "
+                             "SQuAD-format task.train_file of other articles (e.g. SQuAD v1.1 train)"),),
+        ),
+        TaskSpec(
+            name="xquad",
+            description="English XQuAD (evaluation only; train on task.train_file, never on SQuAD v1.1 dev)",
+            problem_type="extractive_qa",
+            label_names=(),
+            metrics=SQUAD_METRICS,
+            loader=_xquad,
+            eval_splits=("test",),
+            reads_train_file=True,
+        ),
     )
 }
 
@@ -698,22 +782,32 @@ _USER_TASK_FIELDS = (
 )
 
 
+def allowed_metrics(problem_type: ProblemType | None) -> tuple[str, ...]:
+    """The metric names a task of ``problem_type`` can report."""
+    return {"generation": ROUGE_METRICS, "token_classification": ENTITY_METRICS,
+            "extractive_qa": SQUAD_METRICS}.get(problem_type or "classification", METRIC_NAMES)
+
+
 def _load_builtin(spec: TaskSpec, cfg: TaskConfig, data_dir: Path) -> TaskData:
     for field in _USER_TASK_FIELDS:
+        if field == "train_file" and spec.reads_train_file:
+            continue
         if field in cfg.model_fields_set and getattr(cfg, field) not in (None, []):
             raise ConfigError(
                 f"task.{field}",
                 f"only used when task.name is 'file' or 'hf'; built-in task {spec.name!r} defines its own",
             )
     eval_split = cfg.eval_split or spec.eval_splits[0]
+    refused = dict(spec.refused_splits)
+    if eval_split in refused:
+        raise ConfigError("task.eval_split", refused[eval_split])
     if eval_split not in spec.eval_splits:
         raise ConfigError(
             "task.eval_split",
             f"unknown split {eval_split!r} for {spec.name}; allowed: {', '.join(spec.eval_splits)}",
         )
     train, evaluation = spec.loader(data_dir, cfg, eval_split)
-    allowed = ROUGE_METRICS if spec.problem_type == "generation" else METRIC_NAMES
-    metrics = _check_metrics(cfg.metrics, allowed) if cfg.metrics else spec.metrics
+    metrics = _check_metrics(cfg.metrics, allowed_metrics(spec.problem_type)) if cfg.metrics else spec.metrics
     return TaskData(spec.name, spec.problem_type, spec.label_names, metrics, train, evaluation)
 
 
@@ -754,12 +848,72 @@ def _load_file_task(cfg: TaskConfig, data_dir: Path | None) -> TaskData:
     data_dir = data_dir if data_dir is not None else _optional_data_dir(cfg.data_dir)
     train_path = _find_file(cfg.train_file, "task.train_file", data_dir)
     eval_path = _find_file(cfg.eval_file, "task.eval_file", data_dir)
+    if cfg.problem_type in SPAN_PROBLEMS:
+        return _span_file_task(cfg, train_path, eval_path)
     train_frame = read_table(train_path, file_format(train_path, cfg.format), cfg.header)
     eval_frame = read_table(eval_path, file_format(eval_path, cfg.format), cfg.header)
     return task_from_frames(cfg, "file", train_frame, eval_frame, str(train_path), str(eval_path))
 
 
+def _span_file_task(cfg: TaskConfig, train_path: Path, eval_path: Path) -> TaskData:
+    """CoNLL files (token classification) or SQuAD-format JSON (extractive QA).
+
+    CoNLL: the word is column ``task.text_columns[0]`` (default 0), the tag column
+    ``task.label_column`` (default the last), positions only; tags from the training file or
+    ``task.label_names``. QA: an evaluation context that training also holds is an error.
+    """
+    if cfg.format != "auto":
+        raise ConfigError("task.format", f"{cfg.problem_type} files are read as "
+                          f"{'CoNLL' if cfg.problem_type == 'token_classification' else 'SQuAD JSON'}; leave it auto")
+    metrics = _check_metrics(cfg.metrics, allowed_metrics(cfg.problem_type)) if cfg.metrics else None
+    if cfg.problem_type == "extractive_qa":
+        train = read_squad(train_path, "task.train_file")
+        evaluation = read_squad(eval_path, "task.eval_file")
+        check_no_overlap(train, evaluation, "task.eval_file", by_title=False)
+        return TaskData("file", "extractive_qa", (), metrics or SQUAD_METRICS, train, evaluation)
+    token_column = _conll_position(cfg.text_columns[0] if cfg.text_columns else 0, "task.text_columns")
+    tag_column = _conll_position(-1 if cfg.label_column is None else cfg.label_column, "task.label_column")
+    if len(cfg.text_columns) > 1:
+        raise ConfigError("task.text_columns", "a CoNLL file has one word column; give one position")
+    sentences = read_conll(train_path, "task.train_file", token_column, tag_column)
+    names = tag_set(sentences, cfg.label_names, str(train_path))
+    train = token_examples(sentences, names, str(train_path))
+    evaluation = token_examples(read_conll(eval_path, "task.eval_file", token_column, tag_column), names,
+                                str(eval_path))
+    return TaskData("file", "token_classification", names, metrics or ENTITY_METRICS, train, evaluation)
+
+
+def _conll_position(value: str | int, field: str) -> int:
+    if isinstance(value, int):
+        return value
+    if value.lstrip("-").isdigit():
+        return int(value)
+    raise ConfigError(field, f"CoNLL files have no header: give a column position (0, 1, ..., -1), got {value!r}")
+
+
+def with_example_classes(task: TaskData, token_class_by: str = "tags") -> TaskData:
+    """Give each example of a token-classification or QA task its class for label-skewed
+    partitions (FeDeRA App. A.2): the set of its tags or entity types (see
+    :func:`fedpeft.data.conll.sentence_class`), or its article title (QA). Class ids index the
+    sorted names of both splits' classes (``O``, no entity, first)."""
+    if task.problem_type == "token_classification":
+        def key(example: Example) -> str:
+            return sentence_class([task.label_names[tag] for tag in example.tags], token_class_by)
+    else:
+        def key(example: Example) -> str:
+            return example.group or ""
+    names = sorted({key(example) for example in task.train + task.eval}, key=lambda name: (name != "O", name))
+    ids = {name: index for index, name in enumerate(names)}
+    task.train = [replace(example, label=ids[key(example)]) for example in task.train]
+    task.eval = [replace(example, label=ids[key(example)]) for example in task.eval]
+    task.example_classes = tuple(names)
+    return task
+
+
 def _load_hf_task(cfg: TaskConfig) -> TaskData:
+    if cfg.problem_type in SPAN_PROBLEMS:
+        raise ConfigError("task.problem_type", f"{cfg.problem_type} reads CoNLL / SQuAD-format files (task.name: "
+                          "file) or the built-in wnut17, squad and xquad, not Hugging Face datasets")
     if not cfg.hf_dataset:
         raise ConfigError("task.hf_dataset", "required when task.name is 'hf' (a dataset id, e.g. 'glue')")
     try:
@@ -1155,6 +1309,8 @@ def load_task(cfg: TaskConfig, data_dir: Path | None = None) -> TaskData:
         task = _load_builtin(BUILTIN_TASKS[cfg.name], cfg, folder)
     else:
         raise ConfigError("task.name", f"unknown task {cfg.name!r}; allowed: {', '.join(task_names())}")
+    if task.problem_type in SPAN_PROBLEMS:
+        task = with_example_classes(task, cfg.token_class_by)
     task.train = subsample(task.train, cfg.max_train_examples)
     task.eval = subsample(task.eval, cfg.max_eval_examples)
     return task

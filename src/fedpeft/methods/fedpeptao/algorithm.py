@@ -65,7 +65,7 @@ from fedpeft.methods.fedpeptao.scoring import (
     select_layers,
 )
 from fedpeft.methods.fedpeptao.server import AdaptiveServer, AdaptiveServerOptions, ClientDelta
-from fedpeft.models.encoding import EncodedData, training_batch
+from fedpeft.models.encoding import EncodedData, model_inputs, training_batch
 from fedpeft.seeding import derive_seed
 
 SCORE_PREFIX = "layer_score."
@@ -219,8 +219,7 @@ class FedPepTAO(Algorithm):
     def score_layers(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, rng: np.random.Generator
                      ) -> dict[str, float]:
         """Eq. 2-3 on one batch of this client's data, run without prompts."""
-        batch = self._probe_batch(data, shard, self.options.score_batch_size, rng)
-        batch.pop("labels")
+        batch = model_inputs(self._probe_batch(data, shard, self.options.score_batch_size, rng))
         slot.model.eval()
         with prompts_disabled(slot.model):
             hidden = slot.model(**batch, output_hidden_states=True).hidden_states[1:]

@@ -1,0 +1,39 @@
+"""Entity-level precision, recall and F1 of BIO tag sequences (``seqeval``, conlleval's rules).
+
+An entity is a maximal chunk ``B-X I-X ... I-X``; a prediction counts only when its type and both
+boundaries match a gold entity exactly. Scores are micro-averaged over all entities of the split
+(the WNUT 2017 / CoNLL convention), computed by ``seqeval`` in its default, conlleval-compatible
+mode: an ``I-X`` that does not continue an ``X`` chunk starts a new one. ``tag_accuracy`` is the
+fraction of words whose tag is right (``O`` included). Values are fractions in [0, 1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from seqeval.metrics import accuracy_score, f1_score, precision_score, recall_score
+
+ENTITY_METRICS: tuple[str, ...] = ("entity_f1", "entity_precision", "entity_recall", "tag_accuracy")
+
+
+def entity_scores(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]],
+                  names: Sequence[str] = ENTITY_METRICS) -> dict[str, float]:
+    """The metrics ``names`` of predicted tag sequences against gold ones (one list per sentence)."""
+    unknown = [name for name in names if name not in ENTITY_METRICS]
+    if unknown:
+        raise ValueError(f"unknown entity metric {unknown[0]!r}; allowed: {', '.join(ENTITY_METRICS)}")
+    if len(gold) != len(predicted):
+        raise ValueError(f"{len(gold)} gold sentences but {len(predicted)} predicted ones")
+    for index, (g, p) in enumerate(zip(gold, predicted)):
+        if len(g) != len(p):
+            raise ValueError(f"sentence {index}: {len(g)} gold tags but {len(p)} predicted ones")
+    if not gold:
+        raise ValueError("cannot compute entity metrics on zero sentences")
+    y_true, y_pred = [list(g) for g in gold], [list(p) for p in predicted]
+    functions = {
+        "entity_f1": lambda: f1_score(y_true, y_pred, zero_division=0),
+        "entity_precision": lambda: precision_score(y_true, y_pred, zero_division=0),
+        "entity_recall": lambda: recall_score(y_true, y_pred, zero_division=0),
+        "tag_accuracy": lambda: accuracy_score(y_true, y_pred),
+    }
+    return {name: float(functions[name]()) for name in names}
