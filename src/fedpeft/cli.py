@@ -24,6 +24,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.engines.torchrun import process_rank
     from fedpeft.experiment import default_run_dir
     from fedpeft.metrics.recorder import Recorder, load_run_config
 
@@ -38,7 +39,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--resume", f"{run_dir} is not a run directory (no config.yaml)")
     if args.resume:
         load_run_config(run_dir)
-    else:
+    elif process_rank() == 0:  # under torchrun only rank 0 writes; the others must not race its first files
         Recorder(run_dir).check_new()
     run_experiment(cfg, run_dir, console, args.data_dir, bool(args.resume), args.plot)
     return 0
@@ -46,36 +47,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, console: Console, data_dir: str | None, resume: bool,
                    plot: bool) -> None:
-    """Prepare, run on the local engine with a line per round, write the summary (and plot)."""
+    """Prepare and run on the configured engine (local, or a rank of a torchrun job)."""
+    from fedpeft.engines import run_and_report
     from fedpeft.engines.local import LocalEngine
     from fedpeft.experiment import prepare
-    from fedpeft.metrics.summary import human_bytes, plot_metric, rounds_table, summarize
 
+    if cfg.engine.kind == "flower":
+        raise ConfigError("engine.kind", "flower runs as a Flower app on a SuperLink: `fedpeft deploy local CONFIG` "
+                                         "starts one on this machine; `fedpeft deploy app CONFIG --out DIR` then "
+                                         "`flwr run DIR CONNECTION` uses yours (README: Run on several machines)")
     exp = prepare(cfg, data_dir)
-    console.print(f"[bold]{cfg.method}[/] on [bold]{exp.task.name}[/]: {len(exp.task.train)} train / "
-                  f"{len(exp.task.eval)} eval examples, {cfg.partition.num_clients} clients "
-                  f"({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters "
-                  f"-> {run_dir}")
-    engine = LocalEngine(exp, run_dir, console)
-    metric = exp.task.primary_metric
+    if cfg.engine.kind == "torchrun":
+        from fedpeft.engines.rounds import RoundEngine
+        from fedpeft.engines.torchrun import TorchrunTransport, process_group, serve_until_stopped
 
-    def report(record: dict) -> None:
-        value = record["eval"].get(metric)
-        shown = f"  {metric} {value:.4f}" if value is not None else ""
-        console.print(f"round {record['round']:>3}  loss {record['train_loss']:.4f}{shown}  "
-                      f"up {human_bytes(sum(record['bytes_up']))}  down {human_bytes(sum(record['bytes_down']))}  "
-                      f"{record['time']['round']:.1f} s")
-
-    records = engine.run(resume=resume, on_round=report)
-    summary = summarize(records, metric)
-    summary.update(method=cfg.method, task=exp.task.name)
-    engine.recorder.write_summary(summary)
-    console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
-    console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
-                  f"run directory {run_dir}")
-    if plot:
-        path = plot_metric(records, metric, run_dir / "metric.png", f"{cfg.method} on {exp.task.name}")
-        console.print(f"plot: {path}")
+        with process_group(cfg, exp) as rank:
+            if rank == 0:
+                run_and_report(RoundEngine(exp, run_dir, TorchrunTransport(exp), console), console, resume, plot)
+            else:
+                serve_until_stopped(exp)
+        return
+    run_and_report(LocalEngine(exp, run_dir, console), console, resume, plot)
 
 
 def cmd_recipes(args: argparse.Namespace, console: Console) -> int:
