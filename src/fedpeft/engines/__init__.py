@@ -8,9 +8,12 @@ with the same console output and run-directory summary.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 
-from fedpeft.engines.rounds import RoundEngine
+if TYPE_CHECKING:  # the engines' modules import torch; a Flower query handler needs none of it
+    from fedpeft.engines.rounds import RoundEngine
 
 
 def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, plot: bool = False) -> None:

@@ -14,6 +14,7 @@ installed on every machine, and nothing is fetched from a registry at run time.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -56,8 +57,17 @@ def flower_executable(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name} not found: install Flower with `pip install 'flwr>=1.41,<2'`")
+        raise FileNotFoundError(f"{name} not found: install Flower with `pip install 'flwr>=1.41,<1.42'`")
     return found
+
+
+def run_config(cfg: ExperimentConfig, run_dir: Path, data_dir: str | None = None, resume: bool = False
+               ) -> dict[str, str | bool]:
+    """The Flower run config both apps read: the experiment (as YAML, engine ``flower``) and where to write."""
+    raw = cfg.model_dump(mode="json")
+    raw["engine"]["kind"] = "flower"
+    return {"experiment": yaml.safe_dump(raw, sort_keys=False), "run-dir": str(Path(run_dir).resolve()),
+            "resume": resume, "data-dir": data_dir or ""}
 
 
 def write_app(cfg: ExperimentConfig, out_dir: Path, run_dir: Path, data_dir: str | None = None,
@@ -70,18 +80,15 @@ def write_app(cfg: ExperimentConfig, out_dir: Path, run_dir: Path, data_dir: str
     if not APP_NAME.match(out_dir.resolve().name):
         raise ConfigError("--out", f"Flower needs an app folder named with letters, digits and hyphens, "
                                    f"starting with a letter; got {out_dir.resolve().name!r}")
-    raw = cfg.model_dump(mode="json")
-    raw["engine"]["kind"] = "flower"
     pyproject = {
         "project": {"name": "fedpeft-app", "version": "1.0.0", "license": "Apache-2.0",
                     "description": f"fedpeft {cfg.method} on {cfg.task.name} (Flower deployment)",
-                    "dependencies": ["flwr>=1.41,<2"]},
+                    "dependencies": ["flwr>=1.41,<1.42"]},
         "tool": {"flwr": {"app": {
             "publisher": "fedpeft",
             "components": {"serverapp": "fedpeft.engines.flower:server_app",
                            "clientapp": "fedpeft.engines.flower:client_app"},
-            "config": {"experiment": yaml.safe_dump(raw, sort_keys=False), "run-dir": str(run_dir.resolve()),
-                       "resume": resume, "data-dir": data_dir or ""},
+            "config": run_config(cfg, run_dir, data_dir, resume),
         }}},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -289,12 +296,17 @@ class LocalDeployment:
                 command += ["--auth-supernode-private-key", str(keys[index][0])]
             self._spawn(f"supernode{index}", command)
 
-    def run(self, app_dir: Path, timeout: float, output: IO[str] | None = None) -> int:
-        """``flwr run APP_DIR --stream`` to the end of the run; returns its exit status."""
+    def start_run(self, app_dir: Path, output: IO[bytes] | None = None) -> subprocess.Popen:
+        """Start ``flwr run APP_DIR --stream``; it returns when the run ends."""
         command = [flower_executable("flwr"), "run", str(Path(app_dir).resolve()), CONNECTION, "--stream"]
-        completed = subprocess.run(command, env=self.env, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                   timeout=timeout, text=True, cwd=self.work_dir)
-        return completed.returncode
+        process = subprocess.Popen(command, env=self.env, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                   cwd=self.work_dir, start_new_session=True)
+        self.processes[f"run{len(self.processes)}"] = process
+        return process
+
+    def run(self, app_dir: Path, timeout: float, output: IO[bytes] | None = None) -> int:
+        """``flwr run APP_DIR --stream`` to the end of the run; returns its exit status."""
+        return self.start_run(app_dir, output).wait(timeout=timeout)
 
     def tree(self, name: str) -> list[int]:
         """``name``'s process and all its live descendants (Flower detaches some into new sessions)."""
@@ -311,10 +323,8 @@ class LocalDeployment:
         signal_all(started, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for process in self.processes.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
         signal_all(started, signal.SIGKILL)
         for process in self.processes.values():
             process.wait()

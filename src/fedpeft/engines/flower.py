@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -43,10 +43,11 @@ from rich.console import Console
 
 from fedpeft.config import ConfigError, DirectionCodecConfig, ExperimentConfig, build_config
 from fedpeft.engines.protocol import ClientFailure, Outcome, WireReply, WireTask, serve_task
-from fedpeft.engines.rounds import RoundEngine
-from fedpeft.experiment import Experiment, evaluate, prepare
 from fedpeft.federated.codec import Codec
 from fedpeft.federated.types import State
+
+if TYPE_CHECKING:  # models and data load only where a handler trains or evaluates: a query stays light
+    from fedpeft.experiment import Experiment
 
 CODEC_STYPE = "fedpeft.codec"
 POLL_SECONDS = 0.2
@@ -66,7 +67,7 @@ class RunSettings:
     """What ``flwr run`` passes both apps (``[tool.flwr.app.config]`` of the generated app)."""
 
     experiment_yaml: str
-    run_dir: Path
+    run_dir: Path | None
     resume: bool
     data_dir: str | None
 
@@ -75,7 +76,8 @@ class RunSettings:
         if not run_config.get("experiment"):
             raise ConfigError("experiment", "the Flower run config has no experiment; build the app with "
                                             "`fedpeft deploy app CONFIG --out DIR`")
-        return cls(experiment_yaml=str(run_config["experiment"]), run_dir=Path(str(run_config.get("run-dir", ""))),
+        run_dir = str(run_config.get("run-dir", ""))
+        return cls(experiment_yaml=str(run_config["experiment"]), run_dir=Path(run_dir) if run_dir else None,
                    resume=bool(run_config.get("resume", False)), data_dir=str(run_config.get("data-dir", "")) or None)
 
     def config(self) -> ExperimentConfig:
@@ -203,10 +205,9 @@ def lossless_codec() -> Codec:
 class FlowerTransport:
     """Delivers a round's tasks as one ``train`` message per SuperNode and collects the replies."""
 
-    def __init__(self, grid: Grid, exp: Experiment, console: Console) -> None:
+    def __init__(self, grid: Grid, cfg: ExperimentConfig, console: Console) -> None:
         self.grid = grid
-        self.exp = exp
-        self.cfg = exp.cfg
+        self.cfg = cfg
         self.console = console
         self.nodes: dict[int, NodePartition] = {}  # node id -> what it hosts
         self.num_partitions: int | None = None
@@ -357,13 +358,17 @@ class FlowerTransport:
 def serve(grid: Grid, context: Context) -> None:
     """The ServerApp: the shared round loop over the SuperNodes that serve the run's partitions."""
     from fedpeft.engines import run_and_report
+    from fedpeft.engines.rounds import RoundEngine
+    from fedpeft.experiment import default_run_dir, prepare
 
     settings = RunSettings.from_run_config(dict(context.run_config))
     console = Console(width=160)
-    exp = prepare(settings.config(), settings.data_dir)
-    transport = FlowerTransport(grid, exp, console)
+    cfg = settings.config()
+    exp = prepare(cfg, settings.data_dir)
+    transport = FlowerTransport(grid, cfg, console)
     transport.connect()
-    run_and_report(RoundEngine(exp, settings.run_dir, transport, console), console, settings.resume)
+    run_dir = settings.run_dir or default_run_dir(cfg)
+    run_and_report(RoundEngine(exp, run_dir, transport, console), console, settings.resume)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +378,8 @@ def serve(grid: Grid, context: Context) -> None:
 @functools.lru_cache(maxsize=1)
 def prepared(experiment_yaml: str, data_dir: str | None) -> Experiment:
     """The node's experiment; kept while the process lives (Flower's simulation reuses its workers)."""
+    from fedpeft.experiment import prepare
+
     return prepare(build_config(yaml.safe_load(experiment_yaml)), data_dir)
 
 
@@ -423,6 +430,8 @@ def train(message: Message, context: Context) -> Message:
 @client_app.evaluate()
 def evaluate_shards(message: Message, context: Context) -> Message:
     """The global state's metrics on each asked client's own shard."""
+    from fedpeft.experiment import evaluate
+
     exp, part = node_experiment(context)
     state = lossless_codec().decode(record_bytes(message.content.array_records["state"]))
     clients = [int(c) for c in message.content.config_records["clients"]["clients"]]

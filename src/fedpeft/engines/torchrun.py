@@ -61,11 +61,16 @@ def collective_backend(cfg: ExperimentConfig, exp: Experiment) -> str:
     return "nccl" if on_cuda else "gloo"
 
 
+def check_launched() -> None:
+    """Fail early, before any model is built, when this process was not started by torchrun."""
+    if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+        raise ConfigError("engine.kind", "torchrun: start it with `torchrun --nproc-per-node K -m fedpeft run CONFIG`")
+
+
 @contextmanager
 def process_group(cfg: ExperimentConfig, exp: Experiment) -> Iterator[int]:
     """Join the torchrun job (environment rendezvous) for the duration; yields this rank."""
-    if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        raise ConfigError("engine.kind", "torchrun: start it with `torchrun --nproc-per-node K -m fedpeft run CONFIG`")
+    check_launched()
     backend = collective_backend(cfg, exp)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
