@@ -169,24 +169,35 @@ def write_node_keys(out_dir: Path, count: int) -> list[tuple[Path, Path]]:
     return pairs
 
 
-def descendants(root: int) -> list[int]:
-    """``root`` and every live process below it, from the parent links in /proc."""
-    children: dict[int, list[int]] = {}
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every live process: pid -> (parent pid, session id), from /proc."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # the command name may hold spaces
         except OSError:
             continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])  # field 4; the command name may hold spaces
-        children.setdefault(parent, []).append(int(entry.name))
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        found.append(pid)
-        frontier.extend(children.get(pid, []))
-    return found
+        table[int(entry.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every live process it started: children, their children, and everything in the
+    sessions they opened (Ray's workers are re-parented to init but stay in their session)."""
+    table = process_table()
+    if root not in table:
+        return []
+    own_session = os.getsid(0)  # never this process's own session (the caller and its siblings live there)
+    found = {root}
+    while True:
+        sessions = {table[pid][1] for pid in found} - {own_session}
+        more = {pid for pid, (parent, session) in table.items()
+                if pid not in found and (parent in found or session in sessions)}
+        if not more:
+            return sorted(found)
+        found |= more
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -219,13 +230,20 @@ def wait_for_port(port: int, timeout: float, process: subprocess.Popen) -> None:
 @dataclass
 class LocalDeployment:
     """One SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 with free ports, optionally with TLS and
-    SuperNode authentication; every process it starts is stopped on exit (also on failure)."""
+    SuperNode authentication; every process it starts is stopped on exit (also on failure).
+
+    ``simulation``: instead of SuperNodes, the SuperLink runs Flower's Simulation Engine (Ray,
+    ``pip install 'fedpeft[simulation]'``) with ``num_nodes`` virtual SuperNodes, each ClientApp
+    worker reserving ``cpus_per_client`` CPUs.
+    """
 
     work_dir: Path
     num_nodes: int
     tls: bool = False
     auth: bool = False
     data_dir: str | None = None
+    simulation: bool = False
+    cpus_per_client: int = 1
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: list[IO[bytes]] = field(default_factory=list)
 
@@ -233,6 +251,7 @@ class LocalDeployment:
         self.work_dir = Path(self.work_dir).resolve()
         self.home = self.work_dir / "flwr-home"
         self.env = flower_env(self.home)
+        self.env["RAY_TMPDIR"] = str(self.work_dir / "ray")
         self.port = free_port()
         self.certs: Certificates | None = None
 
@@ -273,6 +292,9 @@ class LocalDeployment:
                      "--disable-runtime-dependency-installation"]
         if self.auth:
             superlink.append("--enable-supernode-auth")
+        if self.simulation:
+            superlink += ["--simulation", "--isolation", "subprocess"]
+            (self.work_dir / "ray").mkdir(exist_ok=True)
         wait_for_port(self.port, 120, self._spawn("superlink", superlink))
         connection: dict[str, object] = {"address": f"127.0.0.1:{self.port}"}
         if self.certs is None:
@@ -281,6 +303,8 @@ class LocalDeployment:
             connection["root-certificates"] = str(self.certs.ca)
         (self.home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": CONNECTION,
                                                                             CONNECTION: connection}}))
+        if self.simulation:
+            return
         keys = write_node_keys(self.work_dir / "keys", self.num_nodes) if self.auth else []
         for _, public in keys:
             subprocess.run([flower_executable("flwr"), "supernode", "register", str(public), CONNECTION],
@@ -299,6 +323,9 @@ class LocalDeployment:
     def start_run(self, app_dir: Path, output: IO[bytes] | None = None) -> subprocess.Popen:
         """Start ``flwr run APP_DIR --stream``; it returns when the run ends."""
         command = [flower_executable("flwr"), "run", str(Path(app_dir).resolve()), CONNECTION, "--stream"]
+        if self.simulation:
+            command += ["--federation-config", f"num-supernodes={self.num_nodes} "
+                        f"client-resources-num-cpus={self.cpus_per_client} client-resources-num-gpus=0.0"]
         process = subprocess.Popen(command, env=self.env, stdout=output, stderr=subprocess.STDOUT if output else None,
                                    cwd=self.work_dir, start_new_session=True)
         self.processes[f"run{len(self.processes)}"] = process
