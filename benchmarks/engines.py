@@ -9,7 +9,8 @@ each run's metrics.jsonl: clients / sum(round seconds - evaluation seconds) over
 records them) over the local engine's, on the same config (clients, data, rounds, seeds).
 "Flower" is fedpeft's ServerApp/ClientApp on Flower's Simulation Engine (Ray; one virtual
 SuperNode per client, one CPU per ClientApp worker) when ray is installed, else on a loopback
-deployment (SuperLink + 2 SuperNodes, a ClientApp process per node and round).
+deployment (SuperLink + 2 SuperNodes, a ClientApp process per node and round). torchrun with 2
+ranks runs the same workload too, for context: fedpeft's own way of training clients in parallel.
 ``local_vs_flower_memory_ratio``: peak memory of the Flower run over the local run's, each the
 largest sum over time of the proportional set size (PSS, so shared libraries count once) of every
 process the run started (SuperLink, SuperExec, ServerApp, Ray or SuperNodes, ClientApps),
@@ -140,63 +141,83 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def run_fedpeft(work: Path, name: str, raw: dict[str, Any], ranks: int | None, env: dict[str, str]
+                ) -> dict[str, Any]:
+    """``fedpeft run`` (``ranks`` None) or ``torchrun --nproc-per-node ranks -m fedpeft run``; its measures."""
+    config = write_config(raw, work / f"{name}.yaml")
+    launcher = [] if ranks is None else ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                                         "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    command = [sys.executable, *launcher, "-m", "fedpeft", "run", str(config), "--run-dir", str(work / name)]
+    wall, peak = run_command(command, work / f"{name}.log", env)
+    return measures(work / name, wall, peak)
+
+
+def measures(run_dir: Path, wall: float, peak: float) -> dict[str, Any]:
+    """Seconds per round and clients per second (rounds 2..R; evaluation left out of the latter)."""
+    rounds = steady(load_metrics(run_dir))
+    training = sum(r["time"]["round"] - r["time"]["evaluation"] for r in rounds)
+    return {"seconds_per_round": sum(r["time"]["round"] for r in rounds) / len(rounds),
+            "clients_per_second": sum(len(r["clients"]) for r in rounds) / training,
+            "wall_seconds": wall, "peak_memory_mib": peak, "final_state": final_state(run_dir)}
+
+
 def torchrun_scaling(work: Path, rounds: int, num_clients: int, env: dict[str, str]) -> dict[str, Any]:
-    """(a) clients per second with 1 and 2 ranks on the same rounds."""
-    out: dict[str, Any] = {"clients_per_second": {}, "wall_seconds": {}, "peak_memory_mib": {}}
-    for ranks in (1, 2):
-        run_dir = work / f"torchrun{ranks}"
-        config = write_config(workload(rounds, num_clients, "torchrun", 1), work / f"torchrun{ranks}.yaml")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(free_port()), "-m", "fedpeft", "run", str(config),
-                   "--run-dir", str(run_dir)]
-        wall, peak = run_command(command, work / f"torchrun{ranks}.log", env)
-        rounds_run = steady(load_metrics(run_dir))
-        seconds = sum(r["time"]["round"] - r["time"]["evaluation"] for r in rounds_run)
-        out["clients_per_second"][str(ranks)] = sum(len(r["clients"]) for r in rounds_run) / seconds
-        out["wall_seconds"][str(ranks)] = wall
-        out["peak_memory_mib"][str(ranks)] = peak
-    out["speedup"] = out["clients_per_second"]["2"] / out["clients_per_second"]["1"]
-    out["max_weight_difference"] = max_difference(final_state(work / "torchrun1"), final_state(work / "torchrun2"))
-    return out
+    """(a) clients per second with 1 and 2 ranks (one thread each) on the same rounds."""
+    runs = {str(k): run_fedpeft(work, f"torchrun{k}", workload(rounds, num_clients, "torchrun", 1), k, env)
+            for k in (1, 2)}
+    return {
+        "clients_per_second": {k: r["clients_per_second"] for k, r in runs.items()},
+        "wall_seconds": {k: r["wall_seconds"] for k, r in runs.items()},
+        "peak_memory_mib": {k: r["peak_memory_mib"] for k, r in runs.items()},
+        "speedup": runs["2"]["clients_per_second"] / runs["1"]["clients_per_second"],
+        "max_weight_difference": max_difference(runs["1"]["final_state"], runs["2"]["final_state"]),
+    }
 
 
-def local_and_flower(work: Path, rounds: int, num_clients: int, flower: str, env: dict[str, str]) -> dict[str, Any]:
-    """(b) the same experiment on the local engine and on Flower; seconds per round and peak memory."""
-    local_dir, flower_dir = work / "local", work / "flower"
-    config = write_config(workload(rounds, num_clients, "local", 2), work / "local.yaml")
-    local_wall, local_peak = run_command([sys.executable, "-m", "fedpeft", "run", str(config), "--run-dir",
-                                          str(local_dir)], work / "local.log", env)
-
-    simulation = flower == "simulation"
-    nodes = num_clients if simulation else 2
-    app = write_app(build_config(workload(rounds, num_clients, "flower", 1)), work / "app", flower_dir)
+def flower_run(work: Path, raw: dict[str, Any], nodes: int, simulation: bool) -> dict[str, Any]:
+    """fedpeft's Flower app on Flower's Simulation Engine or a loopback deployment; its measures."""
+    run_dir = work / "flower"
+    app = write_app(build_config(raw), work / "app", run_dir)
     t0 = time.perf_counter()
     with LocalDeployment(work / "deployment", nodes, simulation=simulation) as deployment, \
             (work / "flower.log").open("wb") as log, \
             PeakMemory(lambda: [p.pid for p in list(deployment.processes.values())]) as memory:
         status = deployment.start_run(app, log).wait()
-    flower_wall = time.perf_counter() - t0
-    if status != 0 or not (flower_dir / "summary.json").exists():
-        raise RuntimeError(f"the Flower run failed ({status}); see {work / 'flower.log'} and {work / 'deployment'}")
+        superlink_log = (deployment.work_dir / "superlink.log").read_text(errors="replace")
+    if status != 0 or not (run_dir / "summary.json").exists():  # flwr run exits 0 even when the ServerApp failed
+        tail = (work / "flower.log").read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"the Flower run failed (flwr run status {status}):\n{tail}\n--- SuperLink ---\n"
+                           f"{superlink_log[-3000:]}")
+    return measures(run_dir, time.perf_counter() - t0, memory.mib)
 
-    per_round = {name: [r["time"]["round"] for r in steady(load_metrics(d))]
-                 for name, d in (("local", local_dir), ("flower", flower_dir))}
-    seconds = {name: sum(v) / len(v) for name, v in per_round.items()}
+
+def local_and_flower(work: Path, rounds: int, num_clients: int, flower: str, env: dict[str, str]) -> dict[str, Any]:
+    """(b) the same experiment on the local engine (1 process, 2 threads), on torchrun (2 ranks, 1 thread
+    each: fedpeft's own parallel engine, for context) and on Flower; seconds per round and peak memory."""
+    simulation = flower == "simulation"
+    nodes = num_clients if simulation else 2
+    runs = {"local": run_fedpeft(work, "local", workload(rounds, num_clients, "local", 2), None, env),
+            "torchrun": run_fedpeft(work, "torchrun2-b", workload(rounds, num_clients, "torchrun", 1), 2, env),
+            "flower": flower_run(work, workload(rounds, num_clients, "flower", 1), nodes, simulation)}
     engine = (f"simulation (Ray {importlib.metadata.version('ray')}, {nodes} virtual SuperNodes)" if simulation
               else f"deployment (loopback, {nodes} SuperNodes)")
+    seconds = {name: r["seconds_per_round"] for name, r in runs.items()}
+    memory = {name: r["peak_memory_mib"] for name, r in runs.items()}
     return {
         "flower_engine_used": engine,
         "seconds_per_round": seconds,
         "speedup": seconds["flower"] / seconds["local"],
-        "peak_memory_mib": {"local": local_peak, "flower": memory.mib},
-        "memory_ratio": memory.mib / local_peak,
-        "wall_seconds": {"local": local_wall, "flower": flower_wall},
-        "max_weight_difference": max_difference(final_state(local_dir), final_state(flower_dir)),
+        "peak_memory_mib": memory,
+        "memory_ratio": memory["flower"] / memory["local"],
+        "wall_seconds": {name: r["wall_seconds"] for name, r in runs.items()},
+        "max_weight_difference": max_difference(runs["local"]["final_state"], runs["flower"]["final_state"]),
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
     a, b = result["torchrun"], result["local_vs_flower"]
+    labels = {"local": "local (1 process, 2 threads)", "torchrun": "torchrun (2 ranks, 1 thread each)",
+              "flower": f"Flower {b['flower_engine_used']}, 1 thread per ClientApp"}
     return (
         "# Engines: torchrun scaling; local engine vs Flower\n\n"
         f"Command: `{result['command']}`  \nMachine: {result['machine']}  \nWorkload: {result['workload']}\n\n"
@@ -206,11 +227,11 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{a['peak_memory_mib'][k]:.0f} |\n" for k in ("1", "2"))
         + f"\nSpeedup 2 vs 1: **{a['speedup']:.2f}x** (goal >= 1.7x); final weights of the two runs differ by at most "
           f"{a['max_weight_difference']:.1e}.\n\n"
-        f"## (b) local engine vs Flower ({b['flower_engine_used']})\n\n"
+        "## (b) the same workload on the local engine and on Flower\n\n"
         "| engine | s / round (rounds 2..R) | peak memory MiB (PSS, all processes) | wall s (with start-up) |\n"
         "|---|---|---|---|\n"
-        + "".join(f"| {name} | {b['seconds_per_round'][name]:.2f} | {b['peak_memory_mib'][name]:.0f} | "
-                  f"{b['wall_seconds'][name]:.1f} |\n" for name in ("local", "flower"))
+        + "".join(f"| {labels[name]} | {b['seconds_per_round'][name]:.2f} | {b['peak_memory_mib'][name]:.0f} | "
+                  f"{b['wall_seconds'][name]:.1f} |\n" for name in ("local", "torchrun", "flower"))
         + f"\nFlower / local: **{b['speedup']:.2f}x** the seconds per round, **{b['memory_ratio']:.2f}x** the peak "
           f"memory. Final weights differ by at most {b['max_weight_difference']:.1e} (the local run uses 2 threads, "
           "Flower's workers 1: float sums in another order).\n"
@@ -225,6 +246,8 @@ def main() -> None:
     parser.add_argument("--flower", choices=["auto", "simulation", "deployment"], default="auto",
                         help="Flower engine for (b); auto: simulation when ray is installed")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for engines.json and engines.md")
+    parser.add_argument("--work-dir", type=Path, help="keep the runs, configs and logs here (default: a temp folder)")
+    parser.add_argument("--only", choices=["torchrun", "flower"], help="run one part (no results are written)")
     args = parser.parse_args()
     flower = args.flower
     if flower == "auto":
@@ -232,7 +255,13 @@ def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     with TemporaryDirectory(prefix="fedpeft-engines-") as tmp:
-        work = Path(tmp)
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if args.only:
+            part = (torchrun_scaling(work, args.rounds, args.torchrun_clients, env) if args.only == "torchrun"
+                    else local_and_flower(work, args.rounds, args.flower_clients, flower, env))
+            print(json.dumps(part, indent=2))
+            return
         scaling = torchrun_scaling(work, args.rounds, args.torchrun_clients, env)
         versus = local_and_flower(work, args.rounds, args.flower_clients, flower, env)
     result = {
@@ -240,7 +269,7 @@ def main() -> None:
         "command": " ".join([COMMAND, *sys.argv[1:]]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "workload": (f"MiniLM LoRA r=8 q/v FedAvg, SST-2 100 examples per client, seq <= 64, 5 steps of batch 16 per "
-                     f"client and round, {args.rounds} rounds; (a) {args.torchrun_clients} clients, "
+                     f"client and round, {args.rounds} round{'s' if args.rounds != 1 else ''}; (a) {args.torchrun_clients} clients, "
                      f"(b) {args.flower_clients} clients"),
         "torchrun_speedup_2_vs_1": scaling["speedup"],
         "local_vs_flower_speedup": versus["speedup"],

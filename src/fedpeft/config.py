@@ -213,7 +213,7 @@ class OutputConfig(_Strict):
 
 
 class FaultConfig(_Strict):
-    """A fault injected into simulated clients (local engine), to test what the server survives.
+    """A fault injected into clients (any engine, where the client runs), to test what the server survives.
 
     Update faults corrupt the reply (``nan``, ``inf``, ``wrong_shape``, ``unknown_key``,
     ``missing_key``, ``oversize``, ``zero_samples``, ``huge`` = x1e6); ``raise`` makes the client

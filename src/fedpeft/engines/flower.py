@@ -210,6 +210,7 @@ class FlowerTransport:
         self.cfg = cfg
         self.console = console
         self.nodes: dict[int, NodePartition] = {}  # node id -> what it hosts
+        self.ignored: set[int] = set()  # replaced by a restarted node, or silent when asked: never asked again
         self.num_partitions: int | None = None
 
     # -- membership ----------------------------------------------------------------------------
@@ -217,6 +218,7 @@ class FlowerTransport:
         messages = [Message(RecordDict({}), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
         for node, reply in self._exchange(messages, timeout).items():
             if reply is None:
+                self.ignored.add(node)
                 continue
             if reply.has_error():
                 raise ConfigError("--node-config", f"SuperNode {node} could not describe itself: {reply.error.reason}")
@@ -228,6 +230,7 @@ class FlowerTransport:
             for other, known in list(self.nodes.items()):
                 if known.partition_id == part.partition_id:  # a restarted node replaces its old self
                     del self.nodes[other]
+                    self.ignored.add(other)
             self.nodes[node] = part
 
     def refresh(self, timeout: float) -> None:
@@ -235,7 +238,7 @@ class FlowerTransport:
         online = set(self.grid.get_node_ids())
         for node in [n for n in self.nodes if n not in online]:
             del self.nodes[node]
-        new = sorted(online - set(self.nodes))
+        new = sorted(online - set(self.nodes) - self.ignored)
         if new:
             self._query(new, timeout)
 
@@ -267,6 +270,8 @@ class FlowerTransport:
     # -- messaging -----------------------------------------------------------------------------
     def _exchange(self, messages: Sequence[Message], timeout: float | None) -> dict[int, Message | None]:
         """Push ``messages`` and pull replies until all arrived or ``timeout``; by destination node."""
+        if not messages:
+            return {}
         ids = list(self.grid.push_messages(messages))
         node_of_id = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages)}
         replies: dict[int, Message | None] = {node: None for node in node_of_id.values()}

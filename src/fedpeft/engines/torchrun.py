@@ -55,6 +55,8 @@ def process_rank() -> int:
 
 
 def collective_backend(cfg: ExperimentConfig, exp: Experiment) -> str:
+    if cfg.engine.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("engine.backend", "nccl needs CUDA, which this machine lacks; use gloo or auto")
     if cfg.engine.backend != "auto":
         return cfg.engine.backend
     on_cuda = any(p.is_cuda for p in exp.slot.params.values())
