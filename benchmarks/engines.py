@@ -269,8 +269,8 @@ def main() -> None:
         "command": " ".join([COMMAND, *sys.argv[1:]]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "workload": (f"MiniLM LoRA r=8 q/v FedAvg, SST-2 100 examples per client, seq <= 64, 5 steps of batch 16 per "
-                     f"client and round, {args.rounds} round{'s' if args.rounds != 1 else ''}; (a) {args.torchrun_clients} clients, "
-                     f"(b) {args.flower_clients} clients"),
+                     f"client and round, {args.rounds} round{'s' if args.rounds != 1 else ''}; "
+                     f"(a) {args.torchrun_clients} clients, (b) {args.flower_clients} clients"),
         "torchrun_speedup_2_vs_1": scaling["speedup"],
         "local_vs_flower_speedup": versus["speedup"],
         "local_vs_flower_memory_ratio": versus["memory_ratio"],
