@@ -35,12 +35,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("config", "give a CONFIG file (or --resume RUN_DIR)")
     cfg = load_config(config_path, args.overrides)
     run_dir = Path(args.resume or args.run_dir or cfg.output.run_dir or default_run_dir(cfg))
-    if args.resume and not (run_dir / "config.yaml").exists():
-        raise ConfigError("--resume", f"{run_dir} is not a run directory (no config.yaml)")
-    if args.resume:
-        load_run_config(run_dir)
-    elif process_rank() == 0:  # under torchrun only rank 0 writes; the others must not race its first files
-        Recorder(run_dir).check_new()
+    if process_rank() == 0:  # under torchrun only rank 0 reads and writes the run directory
+        if args.resume and not (run_dir / "config.yaml").exists():
+            raise ConfigError("--resume", f"{run_dir} is not a run directory (no config.yaml)")
+        if args.resume:
+            load_run_config(run_dir)
+        else:
+            Recorder(run_dir).check_new()
     run_experiment(cfg, run_dir, console, args.data_dir, bool(args.resume), args.plot)
     return 0
 
@@ -186,6 +187,7 @@ def cmd_deploy_keys(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_deploy_local(args: argparse.Namespace, console: Console) -> int:
     import tempfile
+    import time
 
     from fedpeft.engines.deploy import LocalDeployment, write_app
     from fedpeft.experiment import default_run_dir
@@ -200,7 +202,13 @@ def cmd_deploy_local(args: argparse.Namespace, console: Console) -> int:
             security = (" with TLS" if deployment.certs else "") + (" and node authentication" if args.auth else "")
             console.print(f"SuperLink on 127.0.0.1:{deployment.port}, {args.nodes} SuperNodes{security}; "
                           f"logs in {deployment.work_dir}")
-            return deployment.start_run(app).wait()
+            started = time.time()
+            status = deployment.start_run(app).wait()
+    summary = run_dir / "summary.json"
+    if status == 0 and not (summary.exists() and summary.stat().st_mtime >= started):
+        console.print(f"[red]the ServerApp did not finish the run[/] (no new {summary}); see the log above")
+        return 1
+    return status
 
 
 def _add_deploy_parser(sub: argparse._SubParsersAction) -> None:
