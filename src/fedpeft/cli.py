@@ -1,4 +1,4 @@
-"""Command line: ``fedpeft run | recipes | data | compare | report | sweep``."""
+"""Command line: ``fedpeft run | recipes | data | compare | report | sweep | deploy``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.engines.torchrun import process_rank
     from fedpeft.experiment import default_run_dir
     from fedpeft.metrics.recorder import Recorder, load_run_config
 
@@ -34,48 +35,41 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("config", "give a CONFIG file (or --resume RUN_DIR)")
     cfg = load_config(config_path, args.overrides)
     run_dir = Path(args.resume or args.run_dir or cfg.output.run_dir or default_run_dir(cfg))
-    if args.resume and not (run_dir / "config.yaml").exists():
-        raise ConfigError("--resume", f"{run_dir} is not a run directory (no config.yaml)")
-    if args.resume:
-        load_run_config(run_dir)
-    else:
-        Recorder(run_dir).check_new()
+    if process_rank() == 0:  # under torchrun only rank 0 reads and writes the run directory
+        if args.resume and not (run_dir / "config.yaml").exists():
+            raise ConfigError("--resume", f"{run_dir} is not a run directory (no config.yaml)")
+        if args.resume:
+            load_run_config(run_dir)
+        else:
+            Recorder(run_dir).check_new()
     run_experiment(cfg, run_dir, console, args.data_dir, bool(args.resume), args.plot)
     return 0
 
 
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, console: Console, data_dir: str | None, resume: bool,
                    plot: bool) -> None:
-    """Prepare, run on the local engine with a line per round, write the summary (and plot)."""
+    """Prepare and run on the configured engine (local, or a rank of a torchrun job)."""
+    from fedpeft.engines import run_and_report
     from fedpeft.engines.local import LocalEngine
     from fedpeft.experiment import prepare
-    from fedpeft.metrics.summary import human_bytes, plot_metric, rounds_table, summarize
 
-    exp = prepare(cfg, data_dir)
-    console.print(f"[bold]{cfg.method}[/] on [bold]{exp.task.name}[/]: {len(exp.task.train)} train / "
-                  f"{len(exp.task.eval)} eval examples, {cfg.partition.num_clients} clients "
-                  f"({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters "
-                  f"-> {run_dir}")
-    engine = LocalEngine(exp, run_dir, console)
-    metric = exp.task.primary_metric
+    if cfg.engine.kind == "flower":
+        raise ConfigError("engine.kind", "flower runs as a Flower app on a SuperLink: `fedpeft deploy local CONFIG` "
+                                         "starts one on this machine; `fedpeft deploy app CONFIG --out DIR` then "
+                                         "`flwr run DIR CONNECTION` uses yours (README: Run on several machines)")
+    if cfg.engine.kind == "torchrun":
+        from fedpeft.engines.rounds import RoundEngine
+        from fedpeft.engines.torchrun import TorchrunTransport, check_launched, process_group, serve_until_stopped
 
-    def report(record: dict) -> None:
-        value = record["eval"].get(metric)
-        shown = f"  {metric} {value:.4f}" if value is not None else ""
-        console.print(f"round {record['round']:>3}  loss {record['train_loss']:.4f}{shown}  "
-                      f"up {human_bytes(sum(record['bytes_up']))}  down {human_bytes(sum(record['bytes_down']))}  "
-                      f"{record['time']['round']:.1f} s")
-
-    records = engine.run(resume=resume, on_round=report)
-    summary = summarize(records, metric)
-    summary.update(method=cfg.method, task=exp.task.name)
-    engine.recorder.write_summary(summary)
-    console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
-    console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
-                  f"run directory {run_dir}")
-    if plot:
-        path = plot_metric(records, metric, run_dir / "metric.png", f"{cfg.method} on {exp.task.name}")
-        console.print(f"plot: {path}")
+        check_launched()
+        exp = prepare(cfg, data_dir)
+        with process_group(cfg, exp) as rank:
+            if rank == 0:
+                run_and_report(RoundEngine(exp, run_dir, TorchrunTransport(exp), console), console, resume, plot)
+            else:
+                serve_until_stopped(exp)
+        return
+    run_and_report(LocalEngine(prepare(cfg, data_dir), run_dir, console), console, resume, plot)
 
 
 def cmd_recipes(args: argparse.Namespace, console: Console) -> int:
@@ -163,6 +157,103 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_deploy_app(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.engines.deploy import write_app
+    from fedpeft.experiment import default_run_dir
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or cfg.output.run_dir or default_run_dir(cfg))
+    out = write_app(cfg, Path(args.out), run_dir, args.data_dir, args.resume)
+    console.print(f"Flower app in {out}: `flwr run {out} CONNECTION --stream` writes the run to {run_dir.resolve()} "
+                  "on the SuperLink's machine")
+    return 0
+
+
+def cmd_deploy_certs(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.engines.deploy import write_certificates
+
+    hosts = tuple(args.host or ("127.0.0.1", "localhost"))
+    certs = write_certificates(Path(args.out), hosts, args.days)
+    console.print(f"CA {certs.ca} (to every SuperNode and to flwr), SuperLink certificate {certs.server_cert} and key "
+                  f"{certs.server_key} (stay on the SuperLink), valid for {', '.join(hosts)}")
+    return 0
+
+
+def cmd_deploy_keys(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.engines.deploy import write_node_keys
+
+    for private, public in write_node_keys(Path(args.out), args.nodes):
+        console.print(f"{private} (stays on its SuperNode)  {public} (`flwr supernode register {public} CONNECTION`)")
+    return 0
+
+
+def cmd_deploy_local(args: argparse.Namespace, console: Console) -> int:
+    import tempfile
+    import time
+
+    from fedpeft.engines.deploy import LocalDeployment, write_app
+    from fedpeft.experiment import default_run_dir
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or cfg.output.run_dir or default_run_dir(cfg))
+    with tempfile.TemporaryDirectory(prefix="fedpeft-flower-") as scratch:
+        work = Path(args.work_dir or scratch)
+        app = write_app(cfg, work / "app", run_dir, args.data_dir, args.resume)
+        with LocalDeployment(work / "deployment", args.nodes, tls=args.tls, auth=args.auth,
+                             data_dir=args.data_dir) as deployment:
+            security = (" with TLS" if deployment.certs else "") + (" and node authentication" if args.auth else "")
+            console.print(f"SuperLink on 127.0.0.1:{deployment.port}, {args.nodes} SuperNodes{security}; "
+                          f"logs in {deployment.work_dir}")
+            started = time.time()
+            status = deployment.start_run(app).wait()
+    summary = run_dir / "summary.json"
+    if status == 0 and not (summary.exists() and summary.stat().st_mtime >= started):
+        console.print(f"[red]the ServerApp did not finish the run[/] (no new {summary}); see the log above")
+        return 1
+    return status
+
+
+def _add_deploy_parser(sub: argparse._SubParsersAction) -> None:
+    deploy = sub.add_parser("deploy", help="run on Flower's Deployment Engine (SuperLink + SuperNodes)",
+                            description="Flower deployment: app folder, certificates, node keys, or a loopback run")
+    steps = deploy.add_subparsers(dest="step", required=True)
+
+    app = steps.add_parser("app", help="write the Flower app folder for `flwr run`",
+                           description="Write a Flower app (pyproject.toml) that runs CONFIG with the flower engine")
+    app.add_argument("config", help="experiment YAML")
+    app.add_argument("--out", required=True, help="app folder (letters, digits, hyphens)")
+    app.add_argument("--run-dir", help="run directory on the SuperLink's machine (default: output.run_dir or runs/...)")
+    app.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
+    _add_config_args(app)
+    app.set_defaults(func=cmd_deploy_app)
+
+    certs = steps.add_parser("certs", help="self-signed CA and SuperLink TLS certificate",
+                             description="Write ca.crt, server.pem and server.key (EC P-384, SHA-384)")
+    certs.add_argument("--out", required=True)
+    certs.add_argument("--host", action="append", default=None,
+                       help="IP or DNS name the SuperNodes use to reach the SuperLink (repeatable)")
+    certs.add_argument("--days", type=int, default=365)
+    certs.set_defaults(func=cmd_deploy_certs)
+
+    keys = steps.add_parser("keys", help="SuperNode authentication key pairs",
+                            description="Write nodeI / nodeI.pub (EC P-384, OpenSSH format) for each SuperNode")
+    keys.add_argument("--out", required=True)
+    keys.add_argument("--nodes", type=int, required=True)
+    keys.set_defaults(func=cmd_deploy_keys)
+
+    local = steps.add_parser("local", help="SuperLink + N SuperNodes on 127.0.0.1, run CONFIG, stop them",
+                             description="Start a loopback deployment (free ports), `flwr run` CONFIG on it, stop it")
+    local.add_argument("config", help="experiment YAML")
+    local.add_argument("--nodes", type=int, default=2, help="SuperNodes (partition-id 0..N-1, num-partitions N)")
+    local.add_argument("--tls", action="store_true", help="self-signed certificates for every connection")
+    local.add_argument("--auth", action="store_true", help="SuperNode authentication (implies --tls)")
+    local.add_argument("--run-dir", help="run directory (default: output.run_dir or runs/...)")
+    local.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
+    local.add_argument("--work-dir", help="keep the app, certificates, keys and logs here (default: a temp folder)")
+    _add_config_args(local)
+    local.set_defaults(func=cmd_deploy_local)
+
+
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-accuracy", type=float,
                         help="metric value to reach (default: 95%% of the best value any run reached)")
@@ -215,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--data-dir", help="folder of the benchmark data")
     _add_report_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
+    _add_deploy_parser(sub)
     return parser
 
 

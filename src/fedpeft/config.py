@@ -175,9 +175,22 @@ class CodecConfig(_Strict):
 
 
 class EngineConfig(_Strict):
+    """Where the clients run; every engine gives the same results for the same seeds.
+
+    ``local``: this process. ``torchrun``: ranks share each round's clients (start it with
+    ``torchrun --nproc-per-node K -m fedpeft run CONFIG``); ``backend`` picks the collectives
+    (``auto``: NCCL when the model is on CUDA, else gloo). ``flower``: a Flower ServerApp and
+    ClientApp over a SuperLink and SuperNodes (``fedpeft deploy``); ``round_timeout`` bounds the
+    wait for a round's replies in seconds (null: until every node replies or the SuperLink
+    declares it offline), ``connect_timeout`` the wait for every partition's SuperNode at start.
+    """
+
     kind: Literal["local", "torchrun", "flower"] = "local"
     threads: PositiveInt | None = None
     measure_flops: Literal["first_round", "every_round", "never"] = "first_round"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    round_timeout: PositiveFloat | None = None
+    connect_timeout: PositiveFloat = 300.0
 
 
 class NetworkConfig(_Strict):
@@ -222,7 +235,7 @@ class OutputConfig(_Strict):
 
 
 class FaultConfig(_Strict):
-    """A fault injected into simulated clients (local engine), to test what the server survives.
+    """A fault injected into clients (any engine, where the client runs), to test what the server survives.
 
     Update faults corrupt the reply (``nan``, ``inf``, ``wrong_shape``, ``unknown_key``,
     ``missing_key``, ``oversize``, ``zero_samples``, ``huge`` = x1e6); ``raise`` makes the client

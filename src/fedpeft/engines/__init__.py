@@ -1,0 +1,48 @@
+"""Engines run rounds: one shared loop (:mod:`.rounds`), one transport per engine.
+
+``local`` (:mod:`.local`): every client in this process. ``torchrun`` (:mod:`.torchrun`): ranks
+share each round's clients. ``flower`` (:mod:`.flower`): a Flower ServerApp and ClientApp over a
+SuperLink and SuperNodes (:mod:`.deploy` starts them). :func:`run_and_report` drives any of them
+with the same console output and run-directory summary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+if TYPE_CHECKING:  # the engines' modules import torch; a Flower query handler needs none of it
+    from fedpeft.engines.rounds import RoundEngine
+
+
+def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, plot: bool = False) -> None:
+    """Run every round with a line per round, then write ``summary.json`` (and ``metric.png``)."""
+    from fedpeft.metrics.summary import human_bytes, plot_metric, rounds_table, summarize
+
+    exp, cfg = engine.exp, engine.exp.cfg
+    run_dir = engine.recorder.run_dir
+    console.print(f"[bold]{cfg.method}[/] on [bold]{exp.task.name}[/] ({cfg.engine.kind} engine): "
+                  f"{len(exp.task.train)} train / {len(exp.task.eval)} eval examples, {cfg.partition.num_clients} "
+                  f"clients ({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters "
+                  f"-> {run_dir}")
+    metric = exp.task.primary_metric
+
+    def report(record: dict) -> None:
+        value = record["eval"].get(metric)
+        shown = f"  {metric} {value:.4f}" if value is not None else ""
+        failed = f"  {len(record['failures'])} failed" if record.get("failures") else ""
+        console.print(f"round {record['round']:>3}  loss {record['train_loss']:.4f}{shown}  "
+                      f"up {human_bytes(sum(record['bytes_up']))}  down {human_bytes(sum(record['bytes_down']))}  "
+                      f"{record['time']['round']:.1f} s{failed}")
+
+    records = engine.run(resume=resume, on_round=report)
+    summary = summarize(records, metric)
+    summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind)
+    engine.recorder.write_summary(summary)
+    console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
+    console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
+                  f"run directory {run_dir}")
+    if plot:
+        path = plot_metric(records, metric, run_dir / "metric.png", f"{cfg.method} on {exp.task.name}")
+        console.print(f"plot: {path}")

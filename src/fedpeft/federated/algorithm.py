@@ -4,6 +4,9 @@
 updates come up, the configured strategy aggregates). A method that needs more (masks,
 frozen factors, head pruning, control variates) subclasses it and registers under a name that
 its recipe refers to; engines only ever call these hooks, so they never know the method.
+Server hooks run in the server process; :meth:`Algorithm.client_update` runs wherever the
+client runs (another rank, another machine), so it may use only its arguments, what the
+constructor built from the config, and the client's :meth:`Algorithm.device_state`.
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ class Algorithm:
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
         """Runs on the client (in whichever engine): local training by default."""
         return train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+
+    def device_state(self, client_id: int) -> State | None:
+        """What the device of ``client_id`` keeps between its rounds (None: nothing).
+
+        Device-side memory must live here, not in server-side attributes: engines that run
+        clients in other processes move it with the client (torchrun) or keep it on the device
+        (Flower's node state), and the server never reads it.
+        """
+        return None
+
+    def load_device_state(self, client_id: int, state: State | None) -> None:
+        """Restore (or, with None, forget) what :meth:`device_state` returned for ``client_id``."""
 
     def extra_upload_shapes(self, task: ClientTask) -> dict[str, torch.Size]:
         """Non-parameter tensors a reply to ``task`` carries besides its updates (e.g. per-head

@@ -1,4 +1,4 @@
-"""Fault injection for the local engine: corrupt, crash, drop or slow simulated clients.
+"""Fault injection for any engine (applied where the client runs): corrupt, crash, drop or slow clients.
 
 Used by tests and the robustness benchmark to show what the server survives. Every draw is
 seeded from (run seed, round, client), so a faulty run is as reproducible as a clean one.

@@ -45,12 +45,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+# Engine fields that change where clients run, not what they compute: a run may resume on another engine.
+TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout")
+
+
 def resume_fingerprint(cfg: ExperimentConfig) -> str:
-    """Hash of everything that must match to continue a run (not ``rounds`` or ``output``)."""
+    """Hash of everything that must match to continue a run (not ``rounds``, ``output`` or the transport).
+
+    The engine kind is hashed as ``local`` (all engines compute the same rounds), which keeps the
+    fingerprints of runs written before the other engines existed.
+    """
     raw = cfg.model_dump(mode="json")
     raw.pop("rounds")
     raw.pop("output")
-    raw["engine"].pop("threads", None)
+    for key in TRANSPORT_FIELDS:
+        raw["engine"].pop(key, None)
+    raw["engine"]["kind"] = "local"
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 

@@ -121,6 +121,7 @@ class FedPepTAO(Algorithm):
         self.client_scores: dict[int, torch.Tensor] = {}
         self.client_samples: dict[int, int] = {}
         self.global_scores: torch.Tensor | None = None
+        self.joined: set[int] = set()  # server side: clients whose reply was aggregated (they hold a full prompt)
         self.client_prompts: dict[int, State] = {}  # device side: each client's own full prompt
         self.initial_prompts: State = {}
 
@@ -139,7 +140,7 @@ class FedPepTAO(Algorithm):
         tasks = []
         for client in clients:
             keys = list(exchanged)
-            if self.selected is not None and client not in self.client_prompts:
+            if self.selected is not None and client not in self.joined:
                 keys = [*self.layer_keys, *self.other_keys]  # a newcomer gets its first full prompt once
             config = dict(self.strategy.client_config())
             before_selection = self.options.layer_selection and self.selected is None
@@ -153,6 +154,7 @@ class FedPepTAO(Algorithm):
         replies = [ClientDelta(r.client_id, r.update, r.num_samples, int(r.metrics.get("steps", 1)))
                    for r in results]
         new_state = self.server.step(round_idx, global_state, replies)
+        self.joined.update(r.client_id for r in results)
         for r in results:
             scores = [r.metrics[f"{SCORE_PREFIX}{i}"] for i in range(len(self.layer_keys))
                       if f"{SCORE_PREFIX}{i}" in r.metrics]
@@ -191,6 +193,15 @@ class FedPepTAO(Algorithm):
         return metrics
 
     # ----- device side -------------------------------------------------------------------------
+    def device_state(self, client_id: int) -> State | None:
+        return self.client_prompts.get(client_id)
+
+    def load_device_state(self, client_id: int, state: State | None) -> None:
+        if state is None:
+            self.client_prompts.pop(client_id, None)
+        else:
+            self.client_prompts[client_id] = dict(state)
+
     def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
         own = self.client_prompts.get(task.client_id)
@@ -265,6 +276,7 @@ class FedPepTAO(Algorithm):
             "global_scores": self.global_scores,
             "client_scores": {str(c): s for c, s in self.client_scores.items()},
             "client_samples": {str(c): n for c, n in self.client_samples.items()},
+            "joined": sorted(self.joined),
             "client_prompts": {str(c): s for c, s in self.client_prompts.items()},
         }
         return state
@@ -279,3 +291,4 @@ class FedPepTAO(Algorithm):
         self.client_scores = {int(c): s for c, s in own["client_scores"].items()}
         self.client_samples = {int(c): int(n) for c, n in own["client_samples"].items()}
         self.client_prompts = {int(c): dict(s) for c, s in own["client_prompts"].items()}
+        self.joined = {int(c) for c in own.get("joined", self.client_prompts)}
