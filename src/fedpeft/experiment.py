@@ -24,10 +24,19 @@ from fedpeft.data.types import TaskData
 from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
 from fedpeft.federated.client import ModelSlot
 from fedpeft.federated.codec import Codec, build_codec
+from fedpeft.federated.dp_sgd import per_sample_gradient_problems
+from fedpeft.federated.privacy import PrivacyLedger
 from fedpeft.federated.types import State
 from fedpeft.metrics.task_metrics import compute_metrics
 from fedpeft.models.backbone import Backbone, load_backbone
-from fedpeft.models.encoding import EncodedData, GenerationSettings, encode_examples, predict
+from fedpeft.models.encoding import (
+    EncodedData,
+    GenerationSettings,
+    encode_examples,
+    example_mean_loss,
+    predict,
+    training_batch,
+)
 from fedpeft.models.generation import evaluate_generation
 from fedpeft.recipes import RECIPES
 
@@ -45,6 +54,7 @@ class Experiment:
     down_codec: Codec
     up_codec: Codec
     initial_state: State
+    privacy: PrivacyLedger | None = None
 
     @property
     def trainable_params(self) -> int:
@@ -90,11 +100,30 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=shards, train_data=train_data)
     algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
     initial_state = algorithm.initial_state(slot.read())
+    privacy = None
+    if cfg.client.dp is not None:
+        check_private_training(cfg, slot, train_data, shards)
+        privacy = PrivacyLedger(cfg.client.dp, cfg.client, [len(s) for s in shards])
+        privacy.check()
     return Experiment(
         cfg=cfg, task=task, shards=shards, backbone=backbone, slot=slot, train_data=train_data,
         eval_data=eval_data, algorithm=algorithm, down_codec=build_codec(cfg.codec.down, "down"),
-        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state,
+        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state, privacy=privacy,
     )
+
+
+def check_private_training(cfg: ExperimentConfig, slot: ModelSlot, data: EncodedData,
+                           shards: Sequence[np.ndarray]) -> None:
+    """Fail before training when Opacus cannot give exact per-example gradients for this model
+    (one probe step on up to 3 examples of client 0; see :mod:`fedpeft.federated.dp_sgd`)."""
+    examples = [int(i) for i in shards[0][:3]]
+    problems = per_sample_gradient_problems(slot.model, training_batch(data, examples), len(examples),
+                                            lambda model, batch: example_mean_loss(model, data, batch))
+    if problems:
+        listed = "; ".join(f"{name}: {why}" for name, why in list(problems.items())[:3])
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError("client.dp", f"DP-SGD needs exact per-example gradients, which Opacus cannot compute for "
+                          f"adapter {cfg.adapter.kind!r} with a {data.head} head: {listed}{more}")
 
 
 def evaluate(slot: ModelSlot, data: EncodedData, task: TaskData, state: State, batch_size: int,

@@ -22,8 +22,8 @@ from fedpeft.config import FaultConfig
 from fedpeft.data.partition import describe_partition
 from fedpeft.experiment import Experiment, evaluate
 from fedpeft.federated.codec import CodecError
-from fedpeft.federated.faults import UPDATE_FAULTS, ClientCrashed, active_faults, corrupt
-from fedpeft.federated.timing import simulate_round
+from fedpeft.federated.faults import MESSAGE_FAULTS, UPDATE_FAULTS, ClientCrashed, active_faults, corrupt, damage
+from fedpeft.federated.timing import client_seconds, draw_link, simulate_round
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.federated.validation import RoundFailed, check_update, expected_upload_shapes
 from fedpeft.metrics.recorder import Recorder, resume_fingerprint
@@ -47,10 +47,13 @@ def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: b
                faults: Sequence[FaultConfig] = ()) -> ClientRun:
     """Encode down, train, encode up. Shared by every engine's client side.
 
-    ``faults`` (simulation only) crash the client, corrupt its reply or slow it down.
+    ``faults`` (simulation only) crash the client, corrupt its reply or slow it down. With
+    ``client.dp`` the client trains with its own DP-SGD state from ``exp.privacy``.
     """
     if any(f.kind == "raise" for f in faults):
         raise ClientCrashed(f"injected failure of client {task.client_id}")
+    if exp.privacy is not None:
+        task.privacy = exp.privacy.client(task.client_id)
     t0 = time.perf_counter()
     message = exp.down_codec.encode(task.payload)
     task.payload = exp.down_codec.decode(message)
@@ -68,6 +71,9 @@ def run_client(exp: Experiment, task: ClientTask, round_idx: int, count_flops: b
             stats.total_seconds *= fault.slowdown
     t0 = time.perf_counter()
     up_message = exp.up_codec.encode(result.update)
+    for fault in faults:
+        if fault.kind in MESSAGE_FAULTS:
+            up_message = damage(up_message, fault.kind)
     result.update = exp.up_codec.decode(up_message)
     codec_seconds += time.perf_counter() - t0
     return ClientRun(result, len(message), len(up_message), codec_seconds, stats.total_seconds,
@@ -91,7 +97,10 @@ class LocalEngine:
 
     def _count_flops(self, round_idx: int, first_round: int) -> bool:
         mode = self.exp.cfg.engine.measure_flops
-        return mode == "every_round" or (mode == "first_round" and round_idx == first_round)
+        # a resumed run keeps the checkpoint's count: re-measuring on other batches (Poisson-sampled
+        # under DP, other padding) would make its metrics differ from an uninterrupted run's
+        return mode == "every_round" or (mode == "first_round" and round_idx == first_round
+                                         and self.flops_per_step is None)
 
     def _run_clients(self, round_idx: int, tasks: Sequence[ClientTask], global_state: State, count_flops: bool
                      ) -> tuple[list[ClientRun], list[dict[str, Any]]]:
@@ -105,6 +114,10 @@ class LocalEngine:
             if any(f.kind == "dropout" for f in faults):
                 failures.append({"client": cid, "stage": "dropout", "reason": "dropped out"})
                 continue
+            if any(f.kind == "timeout" for f in faults):
+                failures.append({"client": cid, "stage": "timeout", "reason": "no reply before the deadline of "
+                                 f"client.timeout_seconds = {cfg.client.timeout_seconds} s"})
+                continue
             expected = {**expected_upload_shapes(task, global_state, exp.slot.trainable),
                         **exp.algorithm.extra_upload_shapes(task)}
             try:
@@ -115,6 +128,12 @@ class LocalEngine:
             except Exception as err:  # a failing client must not take the round down
                 failures.append({"client": cid, "stage": "raised", "reason": f"{type(err).__name__}: {err}"})
                 self.console.print(f"[yellow]client {cid} failed in round {round_idx}:[/] {type(err).__name__}: {err}")
+                continue
+            seconds = client_seconds(draw_link(cfg.network, cfg.seed, round_idx, cid), run.bytes_down, run.bytes_up,
+                                     run.compute_seconds, cfg.network.compute_scale)["total"]
+            if cfg.client.timeout_seconds is not None and seconds > cfg.client.timeout_seconds:
+                failures.append({"client": cid, "stage": "timeout", "reason": f"simulated round time {seconds:.3g} s "
+                                 f"exceeds client.timeout_seconds = {cfg.client.timeout_seconds} s"})
                 continue
             reason = check_update(run.result, expected, run.bytes_up, cfg.strategy.max_update_bytes)
             if reason is not None:
@@ -185,6 +204,10 @@ class LocalEngine:
             record["failures"] = failures
         record["time"].update(simulate_round(cfg.network, cfg.seed, round_idx, clients, record["bytes_down"],
                                              record["bytes_up"], [r.compute_seconds for r in runs]))
+        if any(f["stage"] == "timeout" for f in failures):  # the server waited until the deadline
+            record["time"]["simulated"] = max(record["time"]["simulated"], cfg.client.timeout_seconds)
+        if exp.privacy is not None:
+            record["privacy"] = exp.privacy.round_record()
         record["time"]["round"] = time.perf_counter() - t_round
         return new_state, record
 
@@ -209,12 +232,14 @@ class LocalEngine:
         global_state = exp.initial_state
         start = 1
         totals = {"bytes_down": 0, "bytes_up": 0, "wall_seconds": 0.0}
-        ckpt = self.recorder.resume(cfg) if resume else None
+        ckpt = self.recorder.resume(cfg, exp.initial_state) if resume else None
         if resume and ckpt is None:
             self.console.print("no checkpoint was written before the run stopped: restarting from round 1")
         if ckpt is not None:
             global_state = ckpt["global_state"]
             exp.algorithm.load_state_dict(ckpt["algorithm"])
+            if exp.privacy is not None:
+                exp.privacy.load_state_dict(ckpt["privacy"])
             totals = dict(ckpt["totals"])
             self.flops_per_step = ckpt.get("client_flops_per_step")
             start = int(ckpt["round"]) + 1
@@ -252,6 +277,7 @@ class LocalEngine:
                         "totals": totals,
                         "client_flops_per_step": self.flops_per_step,
                         "fingerprint": fingerprint,
+                        **({"privacy": exp.privacy.state_dict()} if exp.privacy is not None else {}),
                     })
                     self.checkpoint_seconds += time.perf_counter() - t0
                 metric = record["eval"].get(exp.task.primary_metric)

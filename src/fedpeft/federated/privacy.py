@@ -1,4 +1,7 @@
-"""Privacy budget of DP-FedAdam (client-level DP), from Opacus's maintained accountants.
+"""Privacy budgets from Opacus's maintained accountants: DP-FedAdam (client-level DP on the
+server) and local DP-SGD on every client (:class:`PrivacyLedger`).
+
+DP-FedAdam:
 
 Each round is one subsampled Gaussian mechanism: a client is sampled with probability
 ``q = cohort / population`` and the server adds N(0, sigma^2) to the sum of clipped updates
@@ -13,9 +16,17 @@ cohort of n_sim gives the same noise on the mean with multiplier ``sigma * n_sim
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from fedpeft.config import ClientConfig, ConfigError, DPConfig
+from fedpeft.federated.client import local_steps
+from fedpeft.federated.dp_sgd import ClientPrivacy
 
 Accountant = Literal["rdp", "prv"]
 # Opacus's default RDP orders (1.1 .. 63), extended to 1024: with the large noise multipliers of
@@ -57,3 +68,118 @@ def dp_fedadam_epsilon(noise_multiplier: float, cohort: int, population: int, ro
         raise ValueError(f"cohort {effective_cohort} exceeds the population {population}")
     sigma = simulated_noise_multiplier(noise_multiplier, cohort, simulated_cohort)
     return dp_epsilon(sigma, effective_cohort / population, rounds, delta, accountant)
+
+
+def make_accountant(accountant: Accountant) -> IAccountant:
+    return RDPAccountant() if accountant == "rdp" else PRVAccountant()
+
+
+def accountant_epsilon(acct: IAccountant, delta: float) -> float:
+    """Epsilon spent so far by ``acct`` at ``delta`` (0 before its first step)."""
+    if not acct.history:
+        return 0.0
+    if isinstance(acct, RDPAccountant):
+        return float(acct.get_epsilon(delta=delta, alphas=RDP_ORDERS))
+    return float(acct.get_epsilon(delta=delta))
+
+
+def noise_multiplier_for(epsilon: float, delta: float, sample_rate: float, steps: int,
+                         accountant: Accountant = "rdp") -> float:
+    """The smallest sigma (to Opacus's 0.01 tolerance on epsilon, from above) for which ``steps``
+    subsampled Gaussian steps at ``sample_rate`` spend at most ``epsilon`` at ``delta``."""
+    extra: dict[str, Any] = {"alphas": RDP_ORDERS} if accountant == "rdp" else {}
+    with warnings.catch_warnings():  # the search probes huge sigmas whose best RDP order is the largest
+        warnings.simplefilter("ignore")
+        return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                                          steps=steps, accountant=accountant, **extra))
+
+
+class PrivacyLedger:
+    """Every client's DP-SGD plan and Opacus accountant: the client-side privacy state of a run.
+
+    Client i (n_i examples) samples at q_i = min(1, batch_size / n_i) and takes s_i local steps per
+    round; its noise multiplier is planned for ``dp.rounds * s_i`` steps (it may be selected in every
+    round) so that it never spends more than ``dp.epsilon``. Its accountant counts the noisy steps
+    it really took. Clients hold disjoint data, so the run's guarantee for any one example is the
+    largest epsilon any client spent (parallel composition): ``max_epsilon`` in the metrics.
+    Plans are computed when a client first trains (cached by (q, steps)); :meth:`check` plans
+    the most demanding client up front, so an impossible budget fails before training.
+    """
+
+    def __init__(self, dp: DPConfig, client: ClientConfig, shard_sizes: Sequence[int]) -> None:
+        self.dp = dp
+        self.batch_size = client.batch_size
+        self.sizes = [int(n) for n in shard_sizes]
+        self.steps_per_round = [local_steps(n, client) for n in self.sizes]
+        self.accountants: dict[int, IAccountant] = {}
+        self._sigmas: dict[tuple[float, int], float] = {}
+        self._touched: set[int] = set()
+        self._spent: dict[int, tuple[tuple[Any, ...], float]] = {}
+
+    def sample_rate(self, client_id: int) -> float:
+        return min(1.0, self.batch_size / self.sizes[client_id])
+
+    def planned_steps(self, client_id: int) -> int:
+        assert self.dp.rounds is not None  # filled from the experiment's rounds by the config
+        return self.dp.rounds * self.steps_per_round[client_id]
+
+    def noise_multiplier(self, client_id: int) -> float:
+        key = (self.sample_rate(client_id), self.planned_steps(client_id))
+        if key not in self._sigmas:
+            try:
+                self._sigmas[key] = noise_multiplier_for(self.dp.epsilon, self.dp.delta, *key, self.dp.accountant)
+            except ValueError as err:
+                raise ConfigError("client.dp.epsilon", f"no noise multiplier reaches epsilon {self.dp.epsilon} "
+                                  f"over {key[1]} steps at sampling rate {key[0]:.4g}: {err}") from err
+        return self._sigmas[key]
+
+    def check(self) -> None:
+        """Plan the client with the largest q * sqrt(steps) (FedTT Prop. 1: sigma grows with it)."""
+        hardest = max(range(len(self.sizes)), key=lambda c: self.sample_rate(c) * math.sqrt(self.planned_steps(c)))
+        self.noise_multiplier(hardest)
+
+    def client(self, client_id: int) -> ClientPrivacy:
+        """What client ``client_id`` trains with this round (its accountant is the ledger's)."""
+        self._touched.add(client_id)
+        acct = self.accountants.setdefault(client_id, make_accountant(self.dp.accountant))
+        return ClientPrivacy(noise_multiplier=self.noise_multiplier(client_id),
+                             sample_rate=self.sample_rate(client_id), clip_norm=self.dp.clip_norm,
+                             expected_batch_size=min(self.batch_size, self.sizes[client_id]), accountant=acct,
+                             reproducible_noise=self.dp.reproducible_noise)
+
+    def epsilon(self, client_id: int) -> float:
+        """Epsilon client ``client_id`` has spent so far (cached until its accountant steps again)."""
+        acct = self.accountants.get(client_id)
+        if acct is None:
+            return 0.0
+        history = tuple(tuple(h) for h in acct.history)
+        cached = self._spent.get(client_id)
+        if cached is None or cached[0] != history:
+            cached = self._spent[client_id] = (history, accountant_epsilon(acct, self.dp.delta))
+        return cached[1]
+
+    def round_record(self) -> dict[str, Any]:
+        """Epsilon spent so far by each client that trained since the last record, and the run's."""
+        clients = sorted(self._touched)
+        self._touched.clear()
+        spent = {c: self.epsilon(c) for c in clients}
+        others = [self.epsilon(c) for c in self.accountants if c not in spent]
+        return {
+            "delta": self.dp.delta,
+            "target_epsilon": self.dp.epsilon,
+            "clip_norm": self.dp.clip_norm,
+            "epsilon": {str(c): e for c, e in spent.items()},
+            "noise_multiplier": {str(c): self.noise_multiplier(c) for c in clients},
+            "steps": {str(c): sum(int(h[2]) for h in self.accountants[c].history) for c in clients},
+            "max_epsilon": max([*spent.values(), *others], default=0.0),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {int(c): [tuple(h) for h in a.history] for c, a in self.accountants.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountants = {}
+        for client_id, history in state.get("history", {}).items():
+            acct = make_accountant(self.dp.accountant)
+            acct.history = [tuple(h) for h in history]
+            self.accountants[int(client_id)] = acct

@@ -60,6 +60,7 @@ from fedpeft.config import ConfigError, ExperimentConfig, StrategyConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
 from fedpeft.federated.codec import Codec, CodecError, _load, read_metadata, register_codec
+from fedpeft.federated.strategy.robust import clipped_if_robust
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.encoding import EncodedData, training_batch
 from fedpeft.models.heads import (
@@ -210,6 +211,7 @@ class HeadPruning(Algorithm):
     """FedAvg-LoRA with per-client head pruning (Eq. 6-7), sparse upload and Eq. 8 aggregation."""
 
     name = "headprune"
+    robust_aggregations = ("none", "clip")  # Eq. 8 weights heads by importance: no median / trimmed mean
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
@@ -286,7 +288,8 @@ class HeadPruning(Algorithm):
             score = torch.ones(self.shape) if sent is None else sent.to(torch.float32)
             kept = score != 0
             weight = score if self.options.head_aggregation == "importance" else kept.float() * float(r.num_samples)
-            updates.append({k: v for k, v in r.update.items() if k != HEAD_SCORES_KEY})
+            updates.append(clipped_if_robust(self.cfg.strategy,
+                                             {k: v for k, v in r.update.items() if k != HEAD_SCORES_KEY}))
             head_weights.append(weight.flatten())
             scores.append(score)
         delta = head_weighted_delta(updates, head_weights, [float(r.num_samples) for r in results],

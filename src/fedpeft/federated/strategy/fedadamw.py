@@ -30,7 +30,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedpeft.config import ConfigError
-from fedpeft.federated.strategy.base import Strategy, register_strategy, weighted_mean
+from fedpeft.federated.strategy.base import Strategy, register_strategy
+from fedpeft.federated.strategy.robust import robust_delta
 from fedpeft.federated.types import ClientResult, State
 from fedpeft.seeding import derive_seed
 
@@ -107,6 +108,9 @@ class FedAdamW(Strategy):
             raise ConfigError("strategy.weighting", "DP-FedAdam needs uniform weighting (sensitivity is per client)")
         if self.options.dp_noise_multiplier > 0 and not self.dp:
             raise ConfigError("strategy.dp_noise_multiplier", "noise needs a clipping norm: set strategy.dp_clip_norm")
+        if self.dp and cfg.robust != "none":
+            raise ConfigError("strategy.robust", "DP-FedAdam already clips every update (strategy.dp_clip_norm); "
+                              "set robust: none")
         self.m: State = {}
         self.v: State = {}
         self.steps = 0
@@ -124,10 +128,9 @@ class FedAdamW(Strategy):
             seed = secrets.randbits(62) if seed is None else derive_seed(seed, "dp_noise", self.steps + 1)
             delta = dp_mean(updates, self.options.dp_clip_norm, self.options.dp_noise_multiplier,
                             torch.Generator().manual_seed(seed))
-        elif self.options.weighting == "uniform":
-            delta = weighted_mean(updates, [1.0] * len(updates))
-        else:
-            delta = weighted_mean(updates, [float(r.num_samples) for r in results])
+        else:  # strategy.robust (clip, median, trimmed mean) or the plain mean
+            weights = [1.0] * len(results) if self.options.weighting == "uniform" else None
+            delta = robust_delta(self.cfg, results, weights)
         return self.step(global_state, delta)
 
     def step(self, global_state: State, delta: State) -> State:

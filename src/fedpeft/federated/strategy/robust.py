@@ -25,6 +25,12 @@ def clip_update(update: State, max_norm: float) -> State:
     return {k: v * scale for k, v in update.items()}
 
 
+def clipped_if_robust(cfg: StrategyConfig, update: State) -> State:
+    """``update`` clipped to ``cfg.clip_norm`` under ``robust: clip`` (for methods that aggregate
+    with their own weights and can honour clipping, not median or trimmed mean)."""
+    return clip_update(update, cfg.clip_norm) if cfg.robust == "clip" else update
+
+
 def _stacked(updates: Sequence[State]) -> dict[str, torch.Tensor]:
     keys = set().union(*updates)
     return {k: torch.stack([u[k].float() for u in updates if k in u]) for k in keys}
@@ -45,10 +51,12 @@ def trimmed_mean(updates: Sequence[State], fraction: float) -> State:
     return out
 
 
-def robust_delta(cfg: StrategyConfig, results: Sequence[ClientResult]) -> State:
-    """The aggregated update under ``cfg.robust`` (the plain weighted mean for ``none``)."""
+def robust_delta(cfg: StrategyConfig, results: Sequence[ClientResult], weights: Sequence[float] | None = None
+                 ) -> State:
+    """The aggregated update under ``cfg.robust`` (the plain weighted mean for ``none``); the mean's
+    weights are the sample counts unless ``weights`` are given."""
     updates = [r.update for r in results]
-    weights = [float(r.num_samples) for r in results]
+    weights = [float(r.num_samples) for r in results] if weights is None else list(weights)
     if cfg.robust == "clip":
         return weighted_mean([clip_update(u, cfg.clip_norm) for u in updates], weights)
     if cfg.robust == "median":
