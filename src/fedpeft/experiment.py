@@ -115,8 +115,8 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
 def check_private_training(cfg: ExperimentConfig, slot: ModelSlot, data: EncodedData,
                            shards: Sequence[np.ndarray]) -> None:
     """Fail before training when Opacus cannot give exact per-example gradients for this model
-    (one probe step on up to 3 examples of client 0; see :mod:`fedpeft.federated.dp_sgd`)."""
-    examples = [int(i) for i in shards[0][:3]]
+    (one probe step on 3 training examples; see :mod:`fedpeft.federated.dp_sgd`)."""
+    examples = [int(i) for shard in shards for i in shard][:3]
     problems = per_sample_gradient_problems(slot.model, training_batch(data, examples), len(examples),
                                             lambda model, batch: example_mean_loss(model, data, batch))
     if problems:
