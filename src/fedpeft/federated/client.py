@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fedpeft.metrics.flops  # noqa: F401  (lets FlopCounterMode see CPU fused attention)
 from fedpeft.config import ClientConfig
-from fedpeft.federated.dp_sgd import poisson_batches, private_optimizer, private_step
+from fedpeft.federated.dp_sgd import backward, poisson_batches, private_optimizer, private_step
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.encoding import EncodedData, example_mean_loss, training_batch
 
@@ -135,7 +135,7 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
                     objective.backward()
                 else:
                     loss = example_mean_loss(slot.model, data, batch)
-                    loss.backward()
+                    backward(loss)
             if dp is not None:
                 private_step(step_optimizer, len(positions))
             else:

@@ -32,6 +32,7 @@ into rows, so "samples" would be rows, not examples).
 from __future__ import annotations
 
 import secrets
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,6 +102,15 @@ def private_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, privac
                 del param.summed_grad
 
 
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` without torch's warning that a full backward hook fires on a module whose
+    inputs need no gradient: the first adapter layer's input comes from the frozen backbone, and
+    its output gradient is all Opacus's hook needs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        loss.backward()
+
+
 def private_step(dp_optimizer: DPOptimizer, num_examples: int) -> None:
     """One DP-SGD step after the backward pass of ``num_examples`` examples.
 
@@ -136,7 +146,7 @@ def per_sample_gradient_problems(model: nn.Module, batch: dict[str, torch.Tensor
         try:
             for p in params.values():
                 p.grad = None
-            loss_fn(model, batch).backward()
+            backward(loss_fn(model, batch))
             for name, p in params.items():
                 problem = _grad_sample_problem(p, num_examples)
                 if problem is not None:
