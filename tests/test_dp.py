@@ -18,7 +18,7 @@ from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.federated.dp_sgd import ClientPrivacy, poisson_batches, private_optimizer, private_step
 from fedpeft.federated.privacy import RDP_ORDERS, PrivacyLedger
-from fedpeft.metrics.recorder import load_metrics
+from fedpeft.metrics.recorder import load_metrics, resume_fingerprint
 from fedpeft.metrics.summary import summarize
 from fedpeft.models.encoding import example_mean_loss, training_batch
 from tests.conftest import tiny_raw_config, without_timing
@@ -106,6 +106,8 @@ def test_dp_config_errors_name_the_field(toy_files: tuple[Path, Path], tmp_path:
         assert err.value.field == field, dp
     cfg = build_config(tiny_raw_config(train, eval_, tmp_path / "run", rounds=7, client={"dp": {"epsilon": 1}}))
     assert cfg.client.dp is not None and cfg.client.dp.rounds == 7  # pinned: resumed runs keep their noise
+    plain = build_config(tiny_raw_config(train, eval_, tmp_path / "run", rounds=7))
+    assert resume_fingerprint(cfg) != resume_fingerprint(plain)  # a DP run never resumes as a plain one
     with pytest.raises(ConfigError, match="no noise multiplier") as err:  # sigma would exceed 10^6
         prepare(build_config(tiny_raw_config(train, eval_, tmp_path / "run", client={"dp": {"epsilon": 1e-7}})))
     assert err.value.field == "client.dp.epsilon"

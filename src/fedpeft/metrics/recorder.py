@@ -48,12 +48,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+LATER_FIELDS: dict[tuple[str, str], Any] = {("client", "dp"): None, ("client", "timeout_seconds"): None}
+"""Config fields added after runs were already checkpointed, with their defaults: left out of the
+fingerprint while at the default, so those runs still resume (they ran with the default)."""
+
+
 def resume_fingerprint(cfg: ExperimentConfig) -> str:
     """Hash of everything that must match to continue a run (not ``rounds`` or ``output``)."""
     raw = cfg.model_dump(mode="json")
     raw.pop("rounds")
     raw.pop("output")
     raw["engine"].pop("threads", None)
+    for (section, field), default in LATER_FIELDS.items():
+        if raw[section].get(field) == default:
+            raw[section].pop(field, None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
