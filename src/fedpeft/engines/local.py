@@ -23,7 +23,7 @@ from fedpeft.data.partition import describe_partition
 from fedpeft.experiment import Experiment, evaluate
 from fedpeft.federated.codec import CodecError
 from fedpeft.federated.faults import MESSAGE_FAULTS, UPDATE_FAULTS, ClientCrashed, active_faults, corrupt, damage
-from fedpeft.federated.timing import client_seconds, draw_link, simulate_round
+from fedpeft.federated.timing import client_round_seconds, simulate_round
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.federated.validation import RoundFailed, check_update, expected_upload_shapes
 from fedpeft.metrics.recorder import Recorder, resume_fingerprint
@@ -129,8 +129,8 @@ class LocalEngine:
                 failures.append({"client": cid, "stage": "raised", "reason": f"{type(err).__name__}: {err}"})
                 self.console.print(f"[yellow]client {cid} failed in round {round_idx}:[/] {type(err).__name__}: {err}")
                 continue
-            seconds = client_seconds(draw_link(cfg.network, cfg.seed, round_idx, cid), run.bytes_down, run.bytes_up,
-                                     run.compute_seconds, cfg.network.compute_scale)["total"]
+            seconds = client_round_seconds(cfg.network, cfg.seed, round_idx, cid, run.bytes_down, run.bytes_up,
+                                           run.compute_seconds)["total"]
             if cfg.client.timeout_seconds is not None and seconds > cfg.client.timeout_seconds:
                 failures.append({"client": cid, "stage": "timeout", "reason": f"simulated round time {seconds:.3g} s "
                                  f"exceeds client.timeout_seconds = {cfg.client.timeout_seconds} s"})
