@@ -13,7 +13,7 @@ from opacus.accountants.utils import get_noise_multiplier
 from opacus.grad_sample.grad_sample_module import GradSampleHooks
 from torch import nn
 
-from fedpeft.config import ClientConfig, ConfigError, DPConfig, build_config
+from fedpeft.config import ClientConfig, ConfigError, DPConfig, build_config, load_config
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.federated.dp_sgd import ClientPrivacy, poisson_batches, private_optimizer, private_step
@@ -111,6 +111,14 @@ def test_dp_config_errors_name_the_field(toy_files: tuple[Path, Path], tmp_path:
     with pytest.raises(ConfigError, match="no noise multiplier") as err:  # sigma would exceed 10^6
         prepare(build_config(tiny_raw_config(train, eval_, tmp_path / "run", client={"dp": {"epsilon": 1e-7}})))
     assert err.value.field == "client.dp.epsilon"
+
+
+def test_table4_example_config_validates() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "fedtt_dp_sst2.yaml",
+                      ["client.dp.epsilon=6", "client.dp.clip_norm=5"])
+    dp = cfg.client.dp
+    assert cfg.method == "fedtt" and dp is not None
+    assert (dp.epsilon, dp.delta, dp.clip_norm, dp.rounds) == (6, 1e-5, 5, 8)
 
 
 @pytest.mark.parametrize("method", ["lora", "fedtt", "bitfit"])
