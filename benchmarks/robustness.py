@@ -25,7 +25,8 @@ Outputs: ``robustness.json`` (``rows``: one per fault; ``dp``: one per method an
 resumed. ``--smoke`` runs everything at toy scale (tiny random BERT, a few examples) to check the
 script, not to measure anything.
 
-Run: ``.venv/bin/python benchmarks/robustness.py`` (``--parts faults,dp`` picks tables).
+Run: ``.venv/bin/python benchmarks/robustness.py`` (``--parts faults`` or ``--parts dp`` runs one
+table; the JSON holds what the call ran, so a last call with both parts assembles cached runs).
 """
 
 from __future__ import annotations
