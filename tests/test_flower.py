@@ -158,6 +158,17 @@ class InProcessGrid:
         return [self.replies[mid] for mid in message_ids]
 
 
+def run_in_process(raw: dict[str, Any], run_dir: Path, num_nodes: int = 2) -> tuple[RoundEngine, InProcessGrid]:
+    """The ServerApp's round loop and transport over ``num_nodes`` in-process ClientApps."""
+    cfg = build_config(raw)
+    grid = InProcessGrid(run_config(cfg, run_dir), num_nodes=num_nodes)
+    transport = FlowerTransport(grid, cfg, Console(quiet=True))  # type: ignore[arg-type]
+    transport.connect()
+    engine = RoundEngine(prepare(cfg), run_dir, transport, Console(quiet=True))
+    engine.run()
+    return engine, grid
+
+
 def test_server_and_client_apps_in_process_match_the_local_engine(server_identity: None,
                                                                   toy_files: tuple[Path, Path],
                                                                   tmp_path: Path) -> None:
@@ -169,14 +180,8 @@ def test_server_and_client_apps_in_process_match_the_local_engine(server_identit
     raw["client"] = {"optimizer": "adam", "lr": 0.01, "batch_size": 8, "local_epochs": 1}
     raw["strategy"] = {"name": "fedavg", "clients_per_round": 2, "selection_round": 1, "lanczos_iterations": 8,
                        "score_batch_size": 4, "hessian_batch_size": 4, "fixed_ratio": 0.3}
-    cfg = build_config(raw)
-    grid = InProcessGrid(run_config(cfg, tmp_path / "flower"), num_nodes=2)
-    exp = prepare(cfg)
-    transport = FlowerTransport(grid, cfg, Console(quiet=True))  # type: ignore[arg-type]
-    transport.connect()
-    engine = RoundEngine(exp, tmp_path / "flower", transport, Console(quiet=True))
-    engine.run()
-
+    engine, grid = run_in_process(raw, tmp_path / "flower")
+    exp = engine.exp
     local = local_reference(raw, tmp_path / "local")
     assert_same_weights(engine.final_state, local.final_state)
     ours, theirs = without_timing(load_metrics(tmp_path / "flower")), without_timing(load_metrics(tmp_path / "local"))
@@ -185,6 +190,32 @@ def test_server_and_client_apps_in_process_match_the_local_engine(server_identit
     assert not exp.algorithm.client_prompts  # the server never holds a device's prompt ...
     held = {key for context in grid.contexts.values() for key in context.state.array_records}
     assert held == {f"fedpeft.device.{c}" for c in local.exp.algorithm.client_prompts}  # ... its node does
+
+
+def test_dp_accountants_stay_on_the_nodes_and_reports_reach_the_server(server_identity: None,
+                                                                       toy_files: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    """DP-SGD through the ServerApp transport and the real ClientApp handlers: each client's accountant
+    lives in its node's state (3 of 4 clients a round, so some train twice and their count carries
+    over), the server holds none, and its privacy records, weights and metrics are the local engine's."""
+    raw = tiny_raw_config(*toy_files, tmp_path / "flower", rounds=2, strategy={"clients_per_round": 3},
+                          client={"local_steps": 2, "dp": {"epsilon": 3.0, "clip_norm": 1.0}})
+    engine, grid = run_in_process(raw, tmp_path / "flower")
+    exp = engine.exp
+    local = local_reference(raw, tmp_path / "local")
+    assert_same_weights(engine.final_state, local.final_state)
+    ours, theirs = without_timing(load_metrics(tmp_path / "flower")), without_timing(load_metrics(tmp_path / "local"))
+    assert ours == theirs
+    assert max(s for r in ours for s in r["privacy"]["steps"].values()) > 2
+    assert exp.privacy is not None and not exp.privacy.accountants  # the server never held an accountant
+    assert local.exp.privacy is not None
+    held = {int(key.removeprefix("fedpeft.device.")): record
+            for context in grid.contexts.values() for key, record in context.state.array_records.items()}
+    assert sorted(held) == sorted(local.exp.privacy.accountants)
+    for client, record in held.items():
+        history = record.to_torch_state_dict()["privacy.history"]
+        assert [tuple(h) for h in local.exp.privacy.accountants[client].history] == \
+            [(s, q, int(n)) for s, q, n in history.tolist()]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,15 +13,15 @@ import pytest
 import torch
 import yaml
 
-from fedpeft.config import StrategyConfig, build_config
+from fedpeft.config import ConfigError, StrategyConfig, build_config
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.federated.strategy import build_strategy
 from fedpeft.federated.strategy.robust import clip_update, coordinate_median, trimmed_mean
 from fedpeft.federated.types import ClientResult
 from fedpeft.federated.validation import RoundFailed
-from fedpeft.metrics.recorder import load_metrics
-from tests.conftest import tiny_raw_config, without_timing
+from fedpeft.metrics.recorder import CheckpointError, load_metrics
+from tests.conftest import tiny_raw_config, without_timing, write_toy_sentiment
 
 
 def run(raw: dict) -> tuple[LocalEngine, list[dict]]:
@@ -32,6 +32,7 @@ def run(raw: dict) -> tuple[LocalEngine, list[dict]]:
 @pytest.mark.parametrize("kind,reason", [
     ("nan", "NaN or Inf"), ("inf", "NaN or Inf"), ("wrong_shape", "shape"), ("unknown_key", "unknown keys"),
     ("missing_key", "missing keys"), ("oversize", "exceeds the limit"), ("zero_samples", "sample count"),
+    ("truncated", "undecodable message"), ("wrong_dtype", "has dtype torch.int64"),
 ])
 def test_bad_update_rejected_round_goes_on(toy_files: tuple[Path, Path], tmp_path: Path, kind: str,
                                            reason: str) -> None:
@@ -59,6 +60,36 @@ def test_crashed_and_dropped_clients_are_skipped(toy_files: tuple[Path, Path], t
     assert records[1]["clients"] == [0, 1, 2]
 
 
+def test_timeouts_drop_late_clients_and_the_server_waits_until_the_deadline(toy_files: tuple[Path, Path],
+                                                                            tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1, client={"timeout_seconds": 1000.0},
+                          strategy={"selection": "all", "clients_per_round": None},
+                          faults=[{"kind": "straggler", "clients": [1], "slowdown": 1e6},
+                                  {"kind": "timeout", "clients": [2]}])
+    _, records = run(raw)
+    failures = {f["client"]: f for f in records[0]["failures"]}
+    assert sorted(failures) == [1, 2] and {f["stage"] for f in failures.values()} == {"timeout"}
+    assert "exceeds client.timeout_seconds" in failures[1]["reason"]
+    assert "no reply before the deadline" in failures[2]["reason"]
+    assert records[0]["clients"] == [0, 3]
+    assert records[0]["time"]["simulated"] == 1000.0  # everyone else was done long before
+
+
+def test_stragglers_slow_the_simulated_round(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1, network={"down_mbps": 8.0, "up_mbps": 2.0},
+                          strategy={"selection": "all", "clients_per_round": None},
+                          faults=[{"kind": "straggler", "clients": [2], "slowdown": 1000.0}])
+    _, records = run(raw)
+    r = records[0]
+    compute = r["client_seconds"]
+    # 1000x its own wall clock; the clients do equal work (wide margin: a shared CPU makes timings jitter)
+    assert compute[2] > 50 * max(compute[i] for i in (0, 1, 3))
+    per_client = [8 * d / 8e6 + c + 8 * u / 2e6 for d, c, u in zip(r["bytes_down"], compute, r["bytes_up"])]
+    assert r["time"]["simulated"] == pytest.approx(max(per_client)) == pytest.approx(per_client[2])
+
+
 def test_too_few_valid_replies_is_a_clear_error(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
     train, eval_ = toy_files
     raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1,
@@ -77,6 +108,54 @@ def test_robust_aggregators_math() -> None:
     assert clip_update({"a": torch.tensor([0.1])}, 1.0)["a"].item() == pytest.approx(0.1)
 
 
+def test_fedadamw_aggregates_robustly_too() -> None:
+    honest = [ClientResult(i, {"w": torch.full((4,), 0.1 * (i + 1))}, 10, 0.0) for i in range(4)]
+    poisoned = ClientResult(4, {"w": torch.full((4,), 1e6)}, 10, 0.0)
+    strategy = build_strategy(StrategyConfig(name="fedadamw", robust="median", beta1=0.9))
+    strategy.aggregate({"w": torch.zeros(4)}, [*honest, poisoned])
+    # Adam's first moment after one step is (1 - beta1) * grad, grad = -median of the updates (0.3)
+    assert torch.allclose(strategy.m["w"], torch.full((4,), -0.1 * 0.3))
+
+
+def test_methods_with_their_own_aggregation_reject_what_they_cannot_honour(toy_files: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="headprune", strategy={"robust": "median"})
+    raw.pop("adapter")
+    with pytest.raises(ConfigError, match="supports only: none, clip") as err:
+        prepare(build_config(raw))
+    assert err.value.field == "strategy.robust"
+
+
+def test_resume_rejects_altered_run_directories(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=2)
+    run(raw)
+    raw["rounds"] = 3
+    run_dir = tmp_path / "run"
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+
+    def resume_error(match: str) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            LocalEngine(prepare(build_config(raw)), run_dir).run(resume=True)
+        torch.save(checkpoint, run_dir / "checkpoint.pt")
+        (run_dir / "metrics.jsonl").write_text(metrics)
+
+    (run_dir / "metrics.jsonl").write_text(metrics[: len(metrics) // 2])  # not a crash: writes are atomic
+    resume_error("corrupt .*metrics.jsonl")
+    (run_dir / "metrics.jsonl").write_text(metrics.splitlines()[1] + "\n")
+    resume_error(r"lacks rounds \[1\]")
+    torch.save({k: v for k, v in checkpoint.items() if k != "algorithm"}, run_dir / "checkpoint.pt")
+    resume_error("not a fedpeft checkpoint .no algorithm")
+    key = next(iter(checkpoint["global_state"]))
+    torch.save({**checkpoint, "global_state": {**checkpoint["global_state"], key: torch.zeros(1)}},
+               run_dir / "checkpoint.pt")
+    resume_error(f"{key} has shape")
+    torch.save({**checkpoint, "global_state": {"other.weight": torch.zeros(1)}}, run_dir / "checkpoint.pt")
+    resume_error("keys do not match")
+
+
 @pytest.mark.parametrize("robust", ["clip", "median", "trimmed_mean"])
 def test_one_poisoned_client_of_five(robust: str) -> None:
     honest = [ClientResult(i, {"w": torch.full((4,), 0.1 * (i + 1))}, 10, 0.0) for i in range(4)]
@@ -89,17 +168,44 @@ def test_one_poisoned_client_of_five(robust: str) -> None:
     assert defended["w"].abs().max() < 1.0
 
 
-def _uninterrupted_and_killed(tmp_path: Path, train: Path, eval_: Path, kill_after_lines: int,
-                              extra_delay: float) -> tuple[Path, Path]:
-    raw = tiny_raw_config(train, eval_, tmp_path / "full", rounds=4, adapter={"dropout": 0.1})
-    config = tmp_path / "exp.yaml"
+KILL_ROUNDS = 4
+
+
+def _command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "fedpeft", "run", str(config)]
+
+
+def _env() -> dict[str, str]:
+    """The subprocess imports this checkout's sources, whatever the virtualenv has installed."""
+    paths = [str(Path(__file__).resolve().parents[1] / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The config (in a subprocess-readable file) and the run directory of a run nobody killed."""
+    root = tmp_path_factory.mktemp("crash")
+    train = write_toy_sentiment(root / "train.csv", 160, 0)
+    eval_ = write_toy_sentiment(root / "eval.csv", 64, 1)
+    raw = tiny_raw_config(train, eval_, root / "full", rounds=KILL_ROUNDS, adapter={"dropout": 0.1},
+                          evaluation={"at_start": True})
+    config = root / "exp.yaml"
     config.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "fedpeft", "run", str(config)]
-    killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen([*cmd, "--run-dir", str(killed_dir)], env=env, stdout=subprocess.DEVNULL,
+    subprocess.run([*_command(config), "--run-dir", str(root / "full")], env=_env(), check=True, capture_output=True)
+    return config, root / "full"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after_lines,extra_delay", [(0, 1.0), (1, 0.0), (3, 0.05), (4, 0.02)])
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted: tuple[Path, Path], tmp_path: Path,
+                                                   kill_after_lines: int, extra_delay: float) -> None:
+    """SIGKILL at several points (during start-up, right after a metrics line, mid-round, while
+    checkpointing); ``--resume`` must end with the uninterrupted run's weights and metrics."""
+    config, full = uninterrupted
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*_command(config), "--run-dir", str(killed)], env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    metrics = killed_dir / "metrics.jsonl"
+    metrics = killed / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after_lines:
@@ -108,18 +214,13 @@ def _uninterrupted_and_killed(tmp_path: Path, train: Path, eval_: Path, kill_aft
     time.sleep(extra_delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run([*cmd, "--resume", str(killed_dir)], env=env, capture_output=True, text=True)
+    if (killed / "config.yaml").exists():
+        resumed = subprocess.run([*_command(config), "--resume", str(killed)], env=_env(), capture_output=True,
+                                 text=True)
+    else:  # killed before it wrote anything: there is nothing to resume, so run it again
+        resumed = subprocess.run([*_command(config), "--run-dir", str(killed)], env=_env(), capture_output=True,
+                                 text=True)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    subprocess.run([*cmd, "--run-dir", str(tmp_path / "full")], env=env, check=True, capture_output=True)
-    return tmp_path / "full", killed_dir
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kill_after_lines,extra_delay", [(1, 0.0), (2, 0.15), (3, 0.05)])
-def test_sigkill_then_resume_matches_uninterrupted(toy_files: tuple[Path, Path], tmp_path: Path,
-                                                   kill_after_lines: int, extra_delay: float) -> None:
-    train, eval_ = toy_files
-    full, killed = _uninterrupted_and_killed(tmp_path, train, eval_, kill_after_lines, extra_delay)
 
     assert without_timing(load_metrics(killed)) == without_timing(load_metrics(full))
     a = torch.load(full / "checkpoint.pt", weights_only=True)["global_state"]

@@ -120,8 +120,35 @@ class AdapterConfig(_Strict):
     train_head: bool = True
 
 
+class DPConfig(_Strict):
+    """Local differential privacy: every client trains with DP-SGD (Abadi et al. 2016) through Opacus.
+
+    Each step clips every example's gradient to L2 norm ``clip_norm`` (C) and adds N(0, sigma^2 C^2)
+    to their sum; batches are Poisson samples at rate q = batch_size / n_i. The noise multiplier
+    sigma of client i is the smallest that keeps its whole run, ``rounds`` x its local steps per
+    round, within (``epsilon``, ``delta``) under ``accountant`` (FedTT Prop. 1, App. D). ``rounds``
+    defaults to the experiment's ``rounds`` (a client may be selected in every round). The noise
+    is seeded from the run seed so runs resume bit-identically; ``reproducible_noise: false`` draws
+    it from OS entropy with Opacus's secure sampling, as a deployment must. Each client's accountant
+    is device-side state (it moves or stays with the client in every engine); replies report the
+    epsilon spent. See :mod:`fedpeft.federated.dp_sgd` and :class:`fedpeft.federated.privacy.PrivacyLedger`.
+    """
+
+    epsilon: PositiveFloat
+    delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
+    clip_norm: PositiveFloat = 1.0
+    accountant: Literal["rdp", "prv"] = "rdp"
+    rounds: PositiveInt | None = None
+    reproducible_noise: bool = True
+
+
 class ClientConfig(_Strict):
-    """Local training on a client's shard. Optimizer state is reset every round."""
+    """Local training on a client's shard. Optimizer state is reset every round.
+
+    ``dp`` turns on DP-SGD (:class:`DPConfig`). ``timeout_seconds`` is the server's deadline for a
+    reply: in every engine a client whose simulated round time (download + measured compute x
+    ``network.compute_scale`` x straggler slowdown + upload) exceeds it is dropped and recorded.
+    """
 
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     lr: PositiveFloat = 0.01
@@ -132,6 +159,8 @@ class ClientConfig(_Strict):
     local_steps: PositiveInt | None = None
     batch_size: PositiveInt = 16
     grad_clip: PositiveFloat | None = None
+    dp: DPConfig | None = None
+    timeout_seconds: PositiveFloat | None = None
 
 
 class StrategyConfig(_Strict):
@@ -238,14 +267,16 @@ class FaultConfig(_Strict):
     """A fault injected into clients (any engine, where the client runs), to test what the server survives.
 
     Update faults corrupt the reply (``nan``, ``inf``, ``wrong_shape``, ``unknown_key``,
-    ``missing_key``, ``oversize``, ``zero_samples``, ``huge`` = x1e6); ``raise`` makes the client
-    fail; ``dropout`` makes it vanish; ``straggler`` multiplies its compute time by ``slowdown``
-    in the time model. ``clients``/``rounds`` restrict where (None: anywhere); ``probability``
-    draws per client and round from a seeded generator.
+    ``missing_key``, ``oversize``, ``zero_samples``, ``huge`` = x1e6); message faults damage the
+    encoded upload (``truncated``: cut in half; ``wrong_dtype``: a tensor sent as int64 under the
+    codec's header); ``raise`` makes the client fail; ``dropout`` makes it vanish; ``straggler``
+    multiplies its compute time by ``slowdown`` in the time model; ``timeout`` makes it never reply
+    within ``client.timeout_seconds`` (required). ``clients``/``rounds`` restrict where (None:
+    anywhere); ``probability`` draws per client and round from a seeded generator.
     """
 
     kind: Literal["nan", "inf", "wrong_shape", "unknown_key", "missing_key", "oversize", "zero_samples", "huge",
-                  "raise", "dropout", "straggler"]
+                  "truncated", "wrong_dtype", "raise", "dropout", "straggler", "timeout"]
     clients: list[int] | None = None
     rounds: list[int] | None = None
     probability: Density = 1.0
@@ -291,6 +322,15 @@ class ExperimentConfig(_Strict):
             )
         if self.strategy.min_clients > k:
             raise ConfigError("strategy.min_clients", f"{self.strategy.min_clients} exceeds the {k} sampled per round")
+        return self
+
+    @model_validator(mode="after")
+    def _reliability(self) -> ExperimentConfig:
+        if self.client.timeout_seconds is None and any(f.kind == "timeout" for f in self.faults):
+            raise ConfigError("faults", "a timeout fault needs a deadline: set client.timeout_seconds")
+        if self.client.dp is not None and self.client.dp.rounds is None:
+            # pinned in the saved config, so a resumed run keeps the noise it was planned with
+            self.client.dp.rounds = self.rounds
         return self
 
     def clients_per_round(self) -> int:

@@ -24,6 +24,8 @@ from fedpeft.data.types import TaskData
 from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
 from fedpeft.federated.client import ModelSlot
 from fedpeft.federated.codec import Codec, build_codec
+from fedpeft.federated.dp_sgd import per_sample_gradient_problems
+from fedpeft.federated.privacy import PrivacyLedger
 from fedpeft.federated.types import State
 from fedpeft.metrics.task_metrics import compute_metrics
 from fedpeft.models.backbone import Backbone, load_backbone
@@ -32,8 +34,10 @@ from fedpeft.models.encoding import (
     GenerationSettings,
     SpanSettings,
     encode_examples,
+    example_mean_loss,
     predict,
     token_scores,
+    training_batch,
 )
 from fedpeft.models.generation import evaluate_generation
 from fedpeft.recipes import RECIPES
@@ -57,6 +61,7 @@ class Experiment:
     down_codec: Codec
     up_codec: Codec
     initial_state: State
+    privacy: PrivacyLedger | None = None
 
     @property
     def trainable_params(self) -> int:
@@ -104,11 +109,30 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=train_rows, train_data=train_data)
     algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
     initial_state = algorithm.initial_state(slot.read())
+    privacy = None
+    if cfg.client.dp is not None:
+        check_private_training(cfg, slot, train_data, train_rows)
+        privacy = PrivacyLedger(cfg.client.dp, cfg.client, [len(rows) for rows in train_rows])
+        privacy.check()
     return Experiment(
         cfg=cfg, task=task, shards=shards, train_rows=train_rows, backbone=backbone, slot=slot, train_data=train_data,
         eval_data=eval_data, algorithm=algorithm, down_codec=build_codec(cfg.codec.down, "down"),
-        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state,
+        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state, privacy=privacy,
     )
+
+
+def check_private_training(cfg: ExperimentConfig, slot: ModelSlot, data: EncodedData,
+                           shards: Sequence[np.ndarray]) -> None:
+    """Fail before training when Opacus cannot give exact per-example gradients for this model
+    (one probe step on 3 training examples; see :mod:`fedpeft.federated.dp_sgd`)."""
+    examples = [int(i) for shard in shards for i in shard][:3]
+    problems = per_sample_gradient_problems(slot.model, training_batch(data, examples), len(examples),
+                                            lambda model, batch: example_mean_loss(model, data, batch))
+    if problems:
+        listed = "; ".join(f"{name}: {why}" for name, why in list(problems.items())[:3])
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError("client.dp", f"DP-SGD needs exact per-example gradients, which Opacus cannot compute for "
+                          f"adapter {cfg.adapter.kind!r} with a {data.head} head: {listed}{more}")
 
 
 def evaluate(slot: ModelSlot, data: EncodedData, task: TaskData, state: State, batch_size: int,

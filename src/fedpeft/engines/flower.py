@@ -19,8 +19,11 @@ config points at its copy of the data. The ServerApp writes metrics and checkpoi
 A node that dies or times out (``engine.round_timeout``) costs the round its clients (logged as
 ``unreachable`` in the round's ``failures``); the round goes on when ``strategy.min_clients``
 valid replies remain. Nodes that join later are asked for their partition at the next round.
-A client's device-side state (:meth:`Algorithm.device_state`) stays on its SuperNode, in the
-node's per-run Flower context state, and never reaches the server.
+
+A client's device-side state (:func:`~fedpeft.engines.protocol.device_state`: the method's, and
+its DP-SGD accountant under ``client.dp``) stays on its SuperNode, in the node's per-run Flower
+context state, and never reaches the server; the DP report travels in the reply's metrics. That
+state lasts as long as the Flower run: a resumed run (a new Flower run) starts it afresh.
 """
 
 from __future__ import annotations
@@ -42,7 +45,15 @@ from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from fedpeft.config import ConfigError, DirectionCodecConfig, ExperimentConfig, build_config
-from fedpeft.engines.protocol import ClientFailure, Outcome, WireReply, WireTask, serve_task
+from fedpeft.engines.protocol import (
+    ClientFailure,
+    Outcome,
+    WireReply,
+    WireTask,
+    device_state,
+    load_device_state,
+    serve_task,
+)
 from fedpeft.federated.codec import Codec
 from fedpeft.federated.types import State
 
@@ -396,12 +407,13 @@ def node_experiment(context: Context) -> tuple[Experiment, NodePartition]:
     return exp, NodePartition.from_node_config(node_config, exp.cfg)
 
 
-def load_device_state(context: Context, client: int) -> State | None:
+def stored_device_state(context: Context, client: int) -> State | None:
+    """The device state of ``client`` kept in this node's per-run context (None: none yet)."""
     record = context.state.array_records.get(f"{DEVICE_STATE_PREFIX}{client}")
     return None if record is None else dict(record.to_torch_state_dict())
 
 
-def save_device_state(context: Context, client: int, state: State | None) -> None:
+def store_device_state(context: Context, client: int, state: State | None) -> None:
     if state is not None:
         context.state[f"{DEVICE_STATE_PREFIX}{client}"] = ArrayRecord({k: v.contiguous() for k, v in state.items()})
 
@@ -424,10 +436,10 @@ def train(message: Message, context: Context) -> Message:
         if cid not in part.clients:
             outcome: Outcome = ClientFailure(cid, "rejected", f"client {cid} is not in partition {part.partition_id}")
         else:
-            exp.algorithm.load_device_state(cid, load_device_state(context, cid))
+            load_device_state(exp, cid, stored_device_state(context, cid))
             outcome = serve_task(exp, wire)
-            save_device_state(context, cid, exp.algorithm.device_state(cid))
-            exp.algorithm.load_device_state(cid, None)
+            store_device_state(context, cid, device_state(exp, cid))
+            load_device_state(exp, cid, None)
         put_outcome(reply, index, outcome)
     return Message(reply, reply_to=message)
 

@@ -8,6 +8,11 @@ counted); the server decodes and validates each reply (bad ones are logged and s
 method aggregates the valid ones in task order; the global state is evaluated every
 ``evaluation.every`` rounds; the round is recorded and checkpointed. Only the transport differs
 between the local, torchrun and Flower engines, so they give the same results for the same seeds.
+
+A reply whose simulated round time (:func:`~fedpeft.federated.timing.client_round_seconds`)
+exceeds ``client.timeout_seconds`` is dropped as late. With ``client.dp`` the round's ``privacy``
+record is built from what the clients report in their replies' metrics
+(:func:`~fedpeft.federated.privacy.privacy_record`); their accountants are device-side state.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from fedpeft.data.partition import describe_partition
 from fedpeft.engines.protocol import ClientFailure, Transport, WireReply, WireTask
 from fedpeft.experiment import Experiment, evaluate
 from fedpeft.federated.codec import CodecError
-from fedpeft.federated.timing import simulate_round
+from fedpeft.federated.privacy import privacy_record
+from fedpeft.federated.timing import client_round_seconds, simulate_round
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.federated.validation import RoundFailed, check_update, expected_upload_shapes
 from fedpeft.metrics.recorder import Recorder, resume_fingerprint
@@ -83,21 +89,38 @@ class RoundEngine:
         self.flops_per_step: int | None = None
         self.checkpoint_seconds = 0.0
 
-    def _count_flops(self, round_idx: int, first_round: int) -> bool:
-        """Whether the round's first task counts its FLOPs (``first_round``: until one count succeeded)."""
+    def _count_flops(self) -> bool:
+        """Whether the round's first task counts its FLOPs (``first_round``: until one count succeeded).
+
+        A resumed run keeps the checkpoint's count: re-measuring on other batches (Poisson-sampled
+        under DP, other padding) would make its metrics differ from an uninterrupted run's.
+        """
         mode = self.exp.cfg.engine.measure_flops
-        return mode == "every_round" or (mode == "first_round" and (round_idx == first_round
-                                                                      or self.flops_per_step is None))
+        return mode == "every_round" or (mode == "first_round" and self.flops_per_step is None)
+
+    def _late(self, wire: WireTask, reply: WireReply) -> str | None:
+        """Why the reply missed ``client.timeout_seconds`` in the time model (None: on time)."""
+        cfg = self.exp.cfg
+        deadline = cfg.client.timeout_seconds
+        if deadline is None:
+            return None
+        seconds = client_round_seconds(cfg.network, cfg.seed, wire.round_idx, wire.client_id, len(wire.message),
+                                       len(reply.message), reply.compute_seconds)["total"]
+        if seconds <= deadline:
+            return None
+        return f"simulated round time {seconds:.3g} s exceeds client.timeout_seconds = {deadline} s"
 
     def _collect(self, tasks: Sequence[ClientTask], wires: Sequence[WireTask], global_state: State
-                 ) -> tuple[list[ClientRun], list[dict[str, Any]]]:
-        """Execute the wire tasks; decode and validate the replies; a bad or missing one is logged and skipped."""
+                 ) -> tuple[list[ClientRun], list[dict[str, Any]], dict[int, dict[str, float]]]:
+        """Execute the wire tasks; decode and validate the replies; a bad, late or missing one is logged
+        and skipped. Also returns the metrics of every reply that arrived, valid or not (privacy reports)."""
         exp, cfg = self.exp, self.exp.cfg
         outcomes = self.transport.train(wires[0].round_idx, wires) if wires else []
         if len(outcomes) != len(wires):
             raise RuntimeError(f"the transport returned {len(outcomes)} outcomes for {len(wires)} tasks")
         runs: list[ClientRun] = []
         failures: list[dict[str, Any]] = []
+        reported: dict[int, dict[str, float]] = {}
         for task, wire, outcome in zip(tasks, wires, outcomes):
             cid = wire.client_id
             if isinstance(outcome, ClientFailure):
@@ -108,6 +131,11 @@ class RoundEngine:
             if outcome.client_id != cid:
                 failures.append({"client": cid, "stage": "rejected",
                                  "reason": f"reply names client {outcome.client_id}"})
+                continue
+            reported[cid] = dict(outcome.metrics)
+            late = self._late(wire, outcome)
+            if late is not None:
+                failures.append({"client": cid, "stage": "timeout", "reason": late})
                 continue
             t0 = time.perf_counter()
             try:
@@ -123,18 +151,18 @@ class RoundEngine:
                 failures.append({"client": cid, "stage": "rejected", "reason": reason})
                 continue
             runs.append(run)
-        return runs, failures
+        return runs, failures, reported
 
-    def run_round(self, round_idx: int, global_state: State, first_round: int) -> tuple[State, dict[str, Any]]:
+    def run_round(self, round_idx: int, global_state: State) -> tuple[State, dict[str, Any]]:
         exp, cfg = self.exp, self.exp.cfg
         t_round = time.perf_counter()
         clients = exp.algorithm.select(round_idx, rng_for(cfg.seed, "select", round_idx))
         tasks = exp.algorithm.configure_train(round_idx, clients, global_state)
-        count_flops = self._count_flops(round_idx, first_round)
+        count_flops = self._count_flops()
         t0 = time.perf_counter()
         wires = [encode_task(exp, task, round_idx, count_flops and i == 0) for i, task in enumerate(tasks)]
         encode_seconds = (time.perf_counter() - t0) / max(len(wires), 1)
-        runs, failures = self._collect(tasks, wires, global_state)
+        runs, failures, reported = self._collect(tasks, wires, global_state)
         if len(runs) < cfg.strategy.min_clients:
             reasons = "; ".join(f"client {f['client']}: {f['reason']}" for f in failures)
             raise RoundFailed(f"round {round_idx}: {len(runs)} valid replies, strategy.min_clients is "
@@ -191,6 +219,13 @@ class RoundEngine:
             record["failures"] = failures
         record["time"].update(simulate_round(cfg.network, cfg.seed, round_idx, clients, record["bytes_down"],
                                              record["bytes_up"], [r.compute_seconds for r in runs]))
+        if cfg.client.timeout_seconds is not None and any(f["stage"] == "timeout" for f in failures):
+            # the server waited until the deadline
+            record["time"]["simulated"] = max(record["time"]["simulated"], cfg.client.timeout_seconds)
+        if cfg.client.dp is not None:
+            previous = next((r["privacy"]["max_epsilon"] for r in reversed(self.recorder.records) if "privacy" in r),
+                            0.0)
+            record["privacy"] = privacy_record(cfg.client.dp, reported, previous)
         record["time"]["round"] = time.perf_counter() - t_round
         return new_state, record
 
@@ -222,12 +257,14 @@ class RoundEngine:
         global_state = exp.initial_state
         start = 1
         totals = {"bytes_down": 0, "bytes_up": 0, "wall_seconds": 0.0}
-        ckpt = self.recorder.resume(cfg) if resume else None
+        ckpt = self.recorder.resume(cfg, exp.initial_state) if resume else None
         if resume and ckpt is None:
             self.console.print("no checkpoint was written before the run stopped: restarting from round 1")
         if ckpt is not None:
             global_state = ckpt["global_state"]
             exp.algorithm.load_state_dict(ckpt["algorithm"])
+            if exp.privacy is not None:
+                exp.privacy.load_state_dict(ckpt.get("privacy", {}))
             totals = dict(ckpt["totals"])
             self.flops_per_step = ckpt.get("client_flops_per_step")
             start = int(ckpt["round"]) + 1
@@ -246,7 +283,7 @@ class RoundEngine:
         with progress:
             bar = progress.add_task("rounds", total=cfg.rounds, completed=start - 1)
             for round_idx in range(start, cfg.rounds + 1):
-                global_state, record = self.run_round(round_idx, global_state, start)
+                global_state, record = self.run_round(round_idx, global_state)
                 totals["bytes_down"] += sum(record["bytes_down"])
                 totals["bytes_up"] += sum(record["bytes_up"])
                 totals["wall_seconds"] += record["time"]["round"]
@@ -265,6 +302,7 @@ class RoundEngine:
                         "totals": totals,
                         "client_flops_per_step": self.flops_per_step,
                         "fingerprint": fingerprint,
+                        **({"privacy": exp.privacy.state_dict()} if exp.privacy is not None else {}),
                     })
                     self.checkpoint_seconds += time.perf_counter() - t0
                 metric = record["eval"].get(exp.task.primary_metric)

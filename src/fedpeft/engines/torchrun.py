@@ -11,8 +11,9 @@ command in between; rank 0 sends ``stop`` at the end (also when it fails).
 Gather, not all_reduce: aggregation belongs to the method (coordinate medians, Eq. 8 head
 weights, DP clipping, control variates all need each client's update), so rank 0 needs the
 individual replies; they are adapter-sized codec messages. A client's device-side memory
-(:meth:`Algorithm.device_state`) travels with its task from rank 0 and back, so any rank can
-serve any client and rank 0's checkpoint holds everything a resume needs.
+(:func:`~fedpeft.engines.protocol.device_state`: the method's, and its DP-SGD accountant under
+``client.dp``) travels with its task from rank 0 and back, so any rank can serve any client and
+rank 0's checkpoint holds everything a resume needs.
 
 Collectives use gloo on CPU and NCCL when the backbone sits on a CUDA device (``engine.backend``
 overrides). Several machines: the same command on each with ``--nnodes N --node-rank i
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fedpeft.config import ConfigError, ExperimentConfig
-from fedpeft.engines.protocol import Outcome, WireTask, serve_task
+from fedpeft.engines.protocol import Outcome, WireTask, device_state, load_device_state, serve_task
 from fedpeft.engines.rounds import evaluate_on_shards
 from fedpeft.experiment import Experiment
 from fedpeft.federated.types import State
@@ -89,11 +90,11 @@ def serve_share(exp: Experiment, share: Sequence[RankTask], keep_device_state: b
     replies: list[tuple[Outcome, Any]] = []
     for item in share:
         cid = item.wire.client_id
-        exp.algorithm.load_device_state(cid, item.device_state)
+        load_device_state(exp, cid, item.device_state)
         outcome = serve_task(exp, item.wire)
-        replies.append((outcome, exp.algorithm.device_state(cid)))
+        replies.append((outcome, device_state(exp, cid)))
         if not keep_device_state:  # rank 0 is the keeper; a worker forgets what it served
-            exp.algorithm.load_device_state(cid, None)
+            load_device_state(exp, cid, None)
     return replies
 
 
@@ -113,18 +114,17 @@ class TorchrunTransport:
         self.closed = False
 
     def train(self, round_idx: int, tasks: Sequence[WireTask]) -> list[Outcome]:
-        algorithm = self.exp.algorithm
         shares: list[list[RankTask]] = [[] for _ in range(self.world_size)]
         for i, wire in enumerate(tasks):
-            shares[i % self.world_size].append(RankTask(wire, algorithm.device_state(wire.client_id)))
+            shares[i % self.world_size].append(RankTask(wire, device_state(self.exp, wire.client_id)))
         _, mine = _scatter([(TRAIN, share) for share in shares])
         gathered: list[Any] = [None] * self.world_size
         dist.gather_object(serve_share(self.exp, mine, keep_device_state=True), gathered, dst=0)
         outcomes: list[Outcome | None] = [None] * len(tasks)
         for rank, replies in enumerate(gathered):
-            for j, (outcome, device_state) in enumerate(replies):
+            for j, (outcome, state) in enumerate(replies):
                 outcomes[rank + j * self.world_size] = outcome
-                algorithm.load_device_state(outcome.client_id, device_state)
+                load_device_state(self.exp, outcome.client_id, state)
         return [o for o in outcomes if o is not None]
 
     def evaluate_clients(self, round_idx: int, state: State, clients: Sequence[int]) -> dict[int, dict[str, float]]:

@@ -41,11 +41,19 @@ class MethodContext:
 
 
 class Algorithm:
-    """FedAvg-family round logic; subclass and override hooks for a method's specifics."""
+    """FedAvg-family round logic; subclass and override hooks for a method's specifics.
+
+    ``robust_aggregations`` lists the ``strategy.robust`` options the method's aggregation honours
+    (all of them when it aggregates through the strategy); any other is rejected up front.
+    """
 
     name: ClassVar[str] = "default"
+    robust_aggregations: ClassVar[tuple[str, ...]] = ("none", "clip", "median", "trimmed_mean")
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
+        if cfg.strategy.robust not in self.robust_aggregations:
+            raise ConfigError("strategy.robust", f"method {cfg.method!r} aggregates with its own rule and supports "
+                              f"only: {', '.join(self.robust_aggregations)} (got {cfg.strategy.robust!r})")
         self.cfg = cfg
         self.ctx = ctx
         self.strategy = build_strategy(cfg.strategy)

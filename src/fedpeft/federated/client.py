@@ -2,7 +2,9 @@
 
 There is one model in memory (:class:`ModelSlot`); a client's state is loaded into it, trained
 and read back out, so memory does not grow with the number of clients. The optimizer is built
-fresh for every client and round (its state is reset), as the papers' clients do.
+fresh for every client and round (its state is reset), as the papers' clients do. With
+``client.dp`` the same loop runs DP-SGD (:mod:`fedpeft.federated.dp_sgd`): Poisson batches,
+per-example clipping and noise, for whichever method called it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fedpeft.metrics.flops  # noqa: F401  (lets FlopCounterMode see CPU fused attention)
 from fedpeft.config import ClientConfig
+from fedpeft.federated.dp_sgd import backward, poisson_batches, private_optimizer, private_step
 from fedpeft.federated.types import ClientResult, ClientTask, State
-from fedpeft.models.encoding import EncodedData, training_batch
+from fedpeft.models.encoding import EncodedData, example_mean_loss, training_batch
 
 
 class ModelSlot:
@@ -104,25 +107,46 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
     stats = TrainStats()
     slot.model.train()
     steps = int(task.config.get("local_steps") or local_steps(len(shard), cfg))
-    for positions in batches(len(shard), cfg.batch_size, steps, generator):
-        batch = training_batch(data, [int(shard[p]) for p in positions])
-        counter = FlopCounterMode(display=False) if count_flops and stats.steps == 0 else None
-        t0 = time.perf_counter()
-        with counter if counter is not None else nullcontext():
-            loss = slot.model(**batch).loss
-            objective = loss
-            if mu > 0:
-                objective = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
-            optimizer.zero_grad(set_to_none=True)
-            objective.backward()
-        if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        stats.step_seconds += time.perf_counter() - t0
-        if counter is not None:
-            stats.flops_per_step = int(counter.get_total_flops())
-        stats.losses.append(float(loss.detach()))
-        stats.steps += 1
+    dp = task.privacy
+    if dp is None:
+        schedule = batches(len(shard), cfg.batch_size, steps, generator)
+        private = nullcontext(optimizer)
+    else:  # DP-SGD: the proximal gradient and grad_clip post-process the noisy gradient
+        schedule = poisson_batches(len(shard), dp.sample_rate, steps, generator)
+        private = private_optimizer(slot.model, optimizer, dp, seed,
+                                    lambda: _post_process(params, anchors, mu, cfg.grad_clip))
+    with private as step_optimizer:
+        for positions in schedule:
+            t0 = time.perf_counter()
+            if not positions:  # an empty Poisson sample: DP-SGD still adds its noise
+                private_step(step_optimizer, 0)
+                stats.step_seconds += time.perf_counter() - t0
+                stats.steps += 1
+                continue
+            batch = training_batch(data, [int(shard[p]) for p in positions])
+            counter = FlopCounterMode(display=False) if count_flops and stats.flops_per_step is None else None
+            with counter if counter is not None else nullcontext():
+                step_optimizer.zero_grad(set_to_none=True)
+                if dp is None:
+                    loss = slot.model(**batch).loss
+                    objective = loss
+                    if mu > 0:
+                        objective = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
+                    objective.backward()
+                else:
+                    loss = example_mean_loss(slot.model, data, batch)
+                    backward(loss)
+            if dp is not None:
+                private_step(step_optimizer, len(positions))
+            else:
+                if cfg.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                step_optimizer.step()
+            stats.step_seconds += time.perf_counter() - t0
+            if counter is not None:
+                stats.flops_per_step = int(counter.get_total_flops())
+            stats.losses.append(float(loss.detach()))
+            stats.steps += 1
 
     with torch.no_grad():
         update = {k: slot.params[k].detach() - start[k] for k in upload}
@@ -137,3 +161,12 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
     )
     return result, stats
 
+
+@torch.no_grad()
+def _post_process(params: list[nn.Parameter], anchors: list[torch.Tensor], mu: float, grad_clip: float | None) -> None:
+    """FedProx's proximal gradient mu (w - w_0) and ``client.grad_clip`` on an already-private gradient."""
+    if mu > 0:
+        for p, a in zip(params, anchors):
+            p.grad.add_(p.detach() - a, alpha=mu)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)

@@ -46,7 +46,15 @@ class Codec:
 
     def decode(self, message: bytes) -> State:
         tensors = _load(message, self.kind)
+        for key, value in tensors.items():
+            check_dtype(key, value, self.wire_dtype)
         return {k: v.to(torch.float32) for k, v in tensors.items()}
+
+
+def check_dtype(name: str, tensor: torch.Tensor, expected: torch.dtype) -> None:
+    """A tensor of another dtype than the codec sends is a forged or corrupt message."""
+    if tensor.dtype != expected:
+        raise CodecError(f"tensor {name!r} has dtype {tensor.dtype}, the codec sends {expected}")
 
 
 def read_metadata(message: bytes) -> dict[str, str]:

@@ -9,12 +9,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from fedpeft.config import FaultConfig
+from fedpeft.federated.codec import read_metadata
 from fedpeft.federated.types import ClientResult
 from fedpeft.seeding import rng_for
 
 UPDATE_FAULTS = ("nan", "inf", "wrong_shape", "unknown_key", "missing_key", "oversize", "zero_samples", "huge")
+MESSAGE_FAULTS = ("truncated", "wrong_dtype")
 
 
 class ClientCrashed(RuntimeError):
@@ -56,3 +60,14 @@ def corrupt(result: ClientResult, kind: str) -> ClientResult:
     elif kind == "zero_samples":
         return ClientResult(result.client_id, update, 0, result.train_loss, result.metrics)
     return ClientResult(result.client_id, update, result.num_samples, result.train_loss, result.metrics)
+
+
+def damage(message: bytes, kind: str) -> bytes:
+    """Return the encoded upload ``message`` damaged as ``kind`` says: cut in half (``truncated``),
+    or with its first tensor re-sent as int64 under the same header metadata (``wrong_dtype``)."""
+    if kind == "truncated":
+        return message[: len(message) // 2]
+    tensors = st_load(message)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first].to(torch.int64)
+    return st_save(tensors, metadata=read_metadata(message))

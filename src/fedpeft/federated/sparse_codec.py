@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import save as st_save
 
 from fedpeft.config import ConfigError, DirectionCodecConfig
-from fedpeft.federated.codec import Codec, CodecError, _load, read_metadata, register_codec
+from fedpeft.federated.codec import Codec, CodecError, _load, check_dtype, read_metadata, register_codec
 from fedpeft.federated.types import State
 
 Scope = Literal["global", "per_tensor"]
@@ -178,6 +178,7 @@ class TopKCodec(Codec):
         values = tensors.get("values")
         if values is None or values.dim() != 1:
             raise CodecError("topk message has no 1-D 'values' tensor")
+        check_dtype("values", values, self.wire_dtype)
         values = values.to(torch.float32)
         flat = torch.zeros(numel, dtype=torch.float32)
         if layout == "dense":
@@ -196,6 +197,8 @@ class TopKCodec(Codec):
             positions = tensors.get("indices")
             if positions is None or positions.dim() != 1 or positions.numel() != values.numel():
                 raise CodecError("indices missing or not one per value")
+            if positions.is_floating_point():
+                raise CodecError(f"indices have dtype {positions.dtype}, not an integer type")
             positions = positions.to(torch.int64)
             if positions.numel() and (positions.min() < 0 or positions.max() >= numel
                                       or bool((positions[1:] <= positions[:-1]).any())):

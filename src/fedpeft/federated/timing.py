@@ -60,12 +60,19 @@ def client_seconds(link: Link, bytes_down: int, bytes_up: int, compute_seconds: 
     return {"down": down, "compute": compute, "up": up, "total": down + compute + up}
 
 
+def client_round_seconds(cfg: NetworkConfig, seed: int, round_idx: int, client_id: int, bytes_down: int,
+                         bytes_up: int, compute_seconds: float) -> dict[str, float]:
+    """:func:`client_seconds` of ``client_id`` on its link of ``round_idx``."""
+    return client_seconds(draw_link(cfg, seed, round_idx, client_id), bytes_down, bytes_up, compute_seconds,
+                          cfg.compute_scale)
+
+
 def simulate_round(cfg: NetworkConfig, seed: int, round_idx: int, clients: Sequence[int], bytes_down: Sequence[int],
                    bytes_up: Sequence[int], compute_seconds: Sequence[float]) -> dict[str, Any]:
     """Simulated seconds of one synchronous round (``simulated``: the slowest client's total;
     ``simulated_communication``: the slowest client's download + upload), as logged under ``time``."""
     per_client = [
-        client_seconds(draw_link(cfg, seed, round_idx, c), bd, bu, cs, cfg.compute_scale)
+        client_round_seconds(cfg, seed, round_idx, c, bd, bu, cs)
         for c, bd, bu, cs in zip(clients, bytes_down, bytes_up, compute_seconds, strict=True)
     ]
     if not per_client:

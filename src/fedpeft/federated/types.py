@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fedpeft.federated.dp_sgd import ClientPrivacy
 
 State = dict[str, torch.Tensor]
 
@@ -18,6 +21,8 @@ class ClientTask:
     the trainable keys, or a masked copy). ``train_keys`` are trained this round (None: every
     trainable key); ``upload_keys`` are returned as updates (None: the trained keys).
     ``config`` carries per-round knobs from the strategy or method (proximal mu, masks, ...).
+    ``privacy`` is the client's own DP-SGD state (``client.dp``): attached on the client side by the
+    engine, never sent by the server.
     """
 
     client_id: int
@@ -25,6 +30,7 @@ class ClientTask:
     train_keys: frozenset[str] | None = None
     upload_keys: frozenset[str] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    privacy: ClientPrivacy | None = None
 
 
 @dataclass

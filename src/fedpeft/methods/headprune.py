@@ -59,7 +59,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedpeft.config import ConfigError, ExperimentConfig, StrategyConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
-from fedpeft.federated.codec import Codec, CodecError, _load, read_metadata, register_codec
+from fedpeft.federated.codec import Codec, CodecError, _load, check_dtype, read_metadata, register_codec
+from fedpeft.federated.strategy.robust import clipped_if_robust
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.encoding import EncodedData, training_batch
 from fedpeft.models.heads import (
@@ -210,6 +211,7 @@ class HeadPruning(Algorithm):
     """FedAvg-LoRA with per-client head pruning (Eq. 6-7), sparse upload and Eq. 8 aggregation."""
 
     name = "headprune"
+    robust_aggregations = ("none", "clip")  # Eq. 8 weights heads by importance: no median / trimmed mean
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
@@ -286,7 +288,8 @@ class HeadPruning(Algorithm):
             score = torch.ones(self.shape) if sent is None else sent.to(torch.float32)
             kept = score != 0
             weight = score if self.options.head_aggregation == "importance" else kept.float() * float(r.num_samples)
-            updates.append({k: v for k, v in r.update.items() if k != HEAD_SCORES_KEY})
+            updates.append(clipped_if_robust(self.cfg.strategy,
+                                             {k: v for k, v in r.update.items() if k != HEAD_SCORES_KEY}))
             head_weights.append(weight.flatten())
             scores.append(score)
         delta = head_weighted_delta(updates, head_weights, [float(r.num_samples) for r in results],
@@ -373,7 +376,13 @@ class ZeroSliceCodec(Codec):
             layout = json.loads(read_metadata(message)["layout"])
         except (KeyError, json.JSONDecodeError) as err:
             raise CodecError(f"zero_slices message without a valid layout: {err}") from err
+        if not isinstance(layout, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
+                for v in layout.values()):
+            raise CodecError("zero_slices layout must map each key to [mode, length]")
         masks = {f"{key}::{mode}" for key, (mode, _) in layout.items()}
+        for key in tensors.keys() - masks:
+            check_dtype(key, tensors[key], self.wire_dtype)
         try:
             return {key: self._expand(tensors, key, *layout.get(key, ("dense", 0)))
                     for key in tensors if key not in masks}

@@ -27,6 +27,9 @@ SUMMARY = "summary.json"
 PARTITION = "partition.json"
 
 
+CHECKPOINT_KEYS = ("round", "global_state", "algorithm", "totals", "fingerprint")
+
+
 class CheckpointError(RuntimeError):
     """The run directory cannot be resumed (missing, corrupt or from another experiment)."""
 
@@ -48,12 +51,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 # Engine fields that change where clients run, not what they compute: a run may resume on another engine.
 TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout")
 
+LATER_FIELDS: dict[tuple[str, str], Any] = {("client", "dp"): None, ("client", "timeout_seconds"): None}
+"""Config fields added after runs were already checkpointed, with their defaults: left out of the
+fingerprint while at the default, so those runs still resume (they ran with the default)."""
+
 
 def resume_fingerprint(cfg: ExperimentConfig) -> str:
     """Hash of everything that must match to continue a run (not ``rounds``, ``output`` or the transport).
 
     The engine kind is hashed as ``local`` (all engines compute the same rounds), which keeps the
-    fingerprints of runs written before the other engines existed.
+    fingerprints of runs written before the other engines existed; :data:`LATER_FIELDS` at their
+    defaults are left out for the same reason.
     """
     raw = cfg.model_dump(mode="json")
     raw.pop("rounds")
@@ -61,6 +69,9 @@ def resume_fingerprint(cfg: ExperimentConfig) -> str:
     for key in TRANSPORT_FIELDS:
         raw["engine"].pop(key, None)
     raw["engine"]["kind"] = "local"
+    for (section, field), default in LATER_FIELDS.items():
+        if raw[section].get(field) == default:
+            raw[section].pop(field, None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
@@ -100,8 +111,9 @@ class Recorder:
         torch.save(state, buffer)
         atomic_write_bytes(self.checkpoint_path, buffer.getvalue())
 
-    def resume(self, cfg: ExperimentConfig) -> dict[str, Any] | None:
-        """Load the checkpoint, check it belongs to ``cfg``, and trim metrics to its round.
+    def resume(self, cfg: ExperimentConfig, template: dict[str, torch.Tensor] | None = None) -> dict[str, Any] | None:
+        """Load the checkpoint, check it belongs to ``cfg`` (and that its global state has the keys
+        and shapes of ``template``), and trim metrics to its round.
 
         None means the run stopped before its first checkpoint: it restarts from round 1, which
         is the state it would resume from (the initial state is a function of the config).
@@ -123,15 +135,26 @@ class Recorder:
             state = torch.load(self.checkpoint_path, weights_only=True)
         except Exception as err:
             raise CheckpointError(f"corrupt checkpoint {self.checkpoint_path}: {err}") from err
-        if not isinstance(state, dict) or "round" not in state:
-            raise CheckpointError(f"{self.checkpoint_path} is not a fedpeft checkpoint")
+        missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise CheckpointError(f"{self.checkpoint_path} is not a fedpeft checkpoint (no {', '.join(missing)})")
         if state.get("fingerprint") != resume_fingerprint(cfg):
             saved = self.run_dir / CONFIG
             raise CheckpointError(
                 f"{self.checkpoint_path} was written by a different experiment config than the one given "
                 f"(compare with {saved}); only rounds and output.* may change on resume"
             )
-        self.records = [r for r in load_metrics(self.run_dir) if r["round"] <= state["round"]]
+        if template is not None:
+            check_state(self.checkpoint_path, state["global_state"], template)
+        try:
+            self.records = [r for r in load_metrics(self.run_dir) if r["round"] <= state["round"]]
+        except (ValueError, KeyError, TypeError) as err:  # not JSON, or lines that are not round records
+            raise CheckpointError(f"corrupt {self.run_dir / METRICS}: {type(err).__name__}: {err}") from err
+        logged = {r["round"] for r in self.records}
+        lost = [t for t in range(1, int(state["round"]) + 1) if t not in logged]
+        if lost:
+            raise CheckpointError(f"{self.run_dir / METRICS} lacks rounds {lost[:5]} of the checkpoint's "
+                                  f"{state['round']}: the run directory was altered")
         payload = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records)
         atomic_write_bytes(self.run_dir / METRICS, payload.encode())
         atomic_write_bytes(self.run_dir / CONFIG, cfg.to_yaml().encode())
@@ -142,6 +165,20 @@ class Recorder:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_bytes(self.run_dir / SUMMARY, json.dumps(summary, indent=2, sort_keys=True).encode())
+
+
+def check_state(path: Path, state: Any, template: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's global state must hold exactly the model's trainable keys, with their shapes."""
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: global_state is not a dict of tensors")
+    if set(state) != set(template):
+        odd = sorted(set(state) ^ set(template))
+        raise CheckpointError(f"{path}: global_state keys do not match the model's trainable parameters "
+                              f"(e.g. {odd[:3]})")
+    for key, value in template.items():
+        if state[key].shape != value.shape:
+            raise CheckpointError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
+                                  f"the model's is {tuple(value.shape)}")
 
 
 def load_metrics(run_dir: Path) -> list[dict[str, Any]]:

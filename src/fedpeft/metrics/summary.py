@@ -21,6 +21,8 @@ def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     best = max(evaluated, key=lambda r: r["eval"][metric]) if evaluated else None
     last = records[-1] if records else {}
     trained = [r for r in records if r["round"] > 0]
+    private = [r["privacy"] for r in trained if "privacy" in r]
+    dp = {"dp_epsilon": private[-1]["max_epsilon"], "dp_delta": private[-1]["delta"]} if private else {}
     return {
         "metric": metric,
         "rounds": len(trained),
@@ -32,6 +34,7 @@ def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
         "wall_seconds": last.get("cum_wall_seconds", 0.0),
         "trainable_params": last.get("trainable_params"),
         "client_flops_per_step": last.get("client_flops_per_step"),
+        **dp,
     }
 
 

@@ -262,8 +262,10 @@ def training_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Ten
     return batch
 
 
-def _sequence_log_likelihood(model: nn.Module, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
-    """Sum of log p(target tokens) per row. Seq2seq logits align with labels; causal ones shift by one."""
+def _target_log_probs(model: nn.Module, batch: dict[str, torch.Tensor], seq2seq: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p of every target token (rows x positions) and the mask of real targets. Seq2seq
+    logits align with labels; causal ones shift by one."""
     labels = batch["labels"]
     if seq2seq:
         logits = model(**batch).logits
@@ -272,8 +274,27 @@ def _sequence_log_likelihood(model: nn.Module, batch: dict[str, torch.Tensor], s
         labels = labels[:, 1:]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     mask = labels != IGNORE_INDEX
-    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1), mask
+
+
+def _sequence_log_likelihood(model: nn.Module, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
+    """Sum of log p(target tokens) per row."""
+    picked, mask = _target_log_probs(model, batch, seq2seq)
     return (picked * mask).sum(dim=-1)
+
+
+def example_mean_loss(model: nn.Module, data: EncodedData, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean over examples of each example's own loss, as DP-SGD's per-example clipping needs.
+
+    Classification, regression and verbalizer heads already average one loss per example. For
+    generation, transformers averages over all target tokens of the batch, which makes an example's
+    weight depend on the other examples' lengths; here each example's loss is the mean over its own
+    target tokens, and the batch loss the mean over examples.
+    """
+    if data.targets is None and data.head not in ("causal_lm", "seq2seq"):
+        return model(**batch).loss
+    picked, mask = _target_log_probs(model, batch, data.head == "seq2seq")
+    return -((picked * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).mean()
 
 
 @torch.no_grad()

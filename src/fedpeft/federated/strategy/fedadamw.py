@@ -128,7 +128,7 @@ class FedAdamW(Strategy):
             seed = secrets.randbits(62) if seed is None else derive_seed(seed, "dp_noise", self.steps + 1)
             delta = dp_mean(updates, self.options.dp_clip_norm, self.options.dp_noise_multiplier,
                             torch.Generator().manual_seed(seed))
-        else:
+        else:  # strategy.robust (clip, median, trimmed mean) or the plain mean
             delta = robust_delta(self.cfg, results, self.weighting)
         return self.step(global_state, delta)
 

@@ -25,6 +25,12 @@ def clip_update(update: State, max_norm: float) -> State:
     return {k: v * scale for k, v in update.items()}
 
 
+def clipped_if_robust(cfg: StrategyConfig, update: State) -> State:
+    """``update`` clipped to ``cfg.clip_norm`` under ``robust: clip`` (for methods that aggregate
+    with their own weights and can honour clipping, not median or trimmed mean)."""
+    return clip_update(update, cfg.clip_norm) if cfg.robust == "clip" else update
+
+
 def _stacked(updates: Sequence[State]) -> dict[str, torch.Tensor]:
     keys = set().union(*updates)
     return {k: torch.stack([u[k].float() for u in updates if k in u]) for k in keys}

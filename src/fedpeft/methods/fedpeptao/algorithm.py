@@ -48,6 +48,7 @@ from fedpeft.adapters.prompts import prefix_layer_keys, prompts_disabled
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
+from fedpeft.federated.strategy.robust import clipped_if_robust
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.methods.fedpeptao.hessian import (
     RatioProbe,
@@ -105,6 +106,7 @@ def parse_options(cfg: ExperimentConfig) -> FedPepTAOOptions:
 @register_algorithm
 class FedPepTAO(Algorithm):
     name = "fedpeptao"
+    robust_aggregations = ("none", "clip")  # Alg. 2's control variates need each device's own delta
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
@@ -151,8 +153,8 @@ class FedPepTAO(Algorithm):
         return tasks
 
     def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
-        replies = [ClientDelta(r.client_id, r.update, r.num_samples, int(r.metrics.get("steps", 1)))
-                   for r in results]
+        replies = [ClientDelta(r.client_id, clipped_if_robust(self.cfg.strategy, r.update), r.num_samples,
+                               int(r.metrics.get("steps", 1))) for r in results]
         new_state = self.server.step(round_idx, global_state, replies)
         self.joined.update(r.client_id for r in results)
         for r in results:
