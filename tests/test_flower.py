@@ -130,6 +130,24 @@ def test_silent_node_costs_only_its_clients(server_identity: None, toy_files: tu
     assert all(o.stage == "unreachable" and "round_timeout" in o.reason for o in outcomes[1::2])
 
 
+def test_client_timeout_is_the_real_reply_deadline(server_identity: None, toy_files: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    """``client.timeout_seconds`` bounds the wait per client a node serves (node 12 hosts two: 0.6 s)."""
+    cfg = build_config(tiny_raw_config(*toy_files, tmp_path / "run", client={"timeout_seconds": 0.3}))
+    transport = FlowerTransport(SilentNodeGrid(), cfg, Console(quiet=True))  # type: ignore[arg-type]
+    transport.connect()
+    assert transport.reply_timeout(2) == (0.6, True)
+    t0 = time.monotonic()
+    outcomes = transport.train(1, [WireTask(c, 1, b"payload", None, None, {}, False) for c in (0, 1, 3)])
+    assert 0.6 <= time.monotonic() - t0 < 5
+    assert isinstance(outcomes[0], WireReply)
+    assert [(o.client_id, o.stage) for o in outcomes[1:]] == [(1, "timeout"), (3, "timeout")]
+    assert all("client.timeout_seconds = 0.3 s per client" in o.reason for o in outcomes[1:])
+    capped = build_config(tiny_raw_config(*toy_files, tmp_path / "run", client={"timeout_seconds": 0.3},
+                                          engine={"round_timeout": 0.4}))
+    assert FlowerTransport(SilentNodeGrid(), capped, Console(quiet=True)).reply_timeout(2) == (0.4, False)  # type: ignore[arg-type]
+
+
 class InProcessGrid:
     """A Grid whose nodes are the real ClientApp handlers called in this process, each with its own
     node config and persistent state, as a SuperNode would give them (no processes, no network)."""

@@ -147,7 +147,8 @@ class ClientConfig(_Strict):
 
     ``dp`` turns on DP-SGD (:class:`DPConfig`). ``timeout_seconds`` is the server's deadline for a
     reply: in every engine a client whose simulated round time (download + measured compute x
-    ``network.compute_scale`` x straggler slowdown + upload) exceeds it is dropped and recorded.
+    ``network.compute_scale`` x straggler slowdown + upload) exceeds it is dropped and recorded; in
+    the Flower engine it also bounds the real wait for a SuperNode's reply (per client it serves).
     """
 
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"

@@ -18,7 +18,11 @@ config points at its copy of the data. The ServerApp writes metrics and checkpoi
 
 A node that dies or times out (``engine.round_timeout``) costs the round its clients (logged as
 ``unreachable`` in the round's ``failures``); the round goes on when ``strategy.min_clients``
-valid replies remain. Nodes that join later are asked for their partition at the next round.
+valid replies remain. ``client.timeout_seconds`` is the real reply deadline here: a node's reply
+to k tasks must arrive within k x ``client.timeout_seconds`` (its clients train one after
+another), else its clients are logged as ``timeout``; as in every engine, a reply that arrived
+but whose simulated round time exceeds the deadline is dropped too. Nodes that join later are
+asked for their partition at the next round.
 
 A client's device-side state (:func:`~fedpeft.engines.protocol.device_state`: the method's, and
 its DP-SGD accountant under ``client.dp``) stays on its SuperNode, in the node's per-run Flower
@@ -279,29 +283,49 @@ class FlowerTransport:
         return next((n for n, p in self.nodes.items() if p.partition_id == client % self.num_partitions), None)
 
     # -- messaging -----------------------------------------------------------------------------
-    def _exchange(self, messages: Sequence[Message], timeout: float | None) -> dict[int, Message | None]:
-        """Push ``messages`` and pull replies until all arrived or ``timeout``; by destination node."""
+    def _exchange(self, messages: Sequence[Message], timeout: float | Sequence[float | None] | None
+                  ) -> dict[int, Message | None]:
+        """Push ``messages`` and pull replies until all arrived or their ``timeout`` passed (one for all,
+        or one per message; None: no limit); by destination node."""
         if not messages:
             return {}
+        timeouts = list(timeout) if isinstance(timeout, Sequence) else [timeout] * len(messages)
+        start = time.monotonic()
         ids = list(self.grid.push_messages(messages))
         node_of_id = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages)}
+        deadline_of_id = {mid: None if t is None else start + t for mid, t in zip(ids, timeouts)}
         replies: dict[int, Message | None] = {node: None for node in node_of_id.values()}
         pending = set(ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending and (deadline is None or time.monotonic() < deadline):
+        while pending:
             for reply in self.grid.pull_messages(sorted(pending)):
                 mid = reply.metadata.reply_to_message_id
                 if mid in pending:
                     pending.discard(mid)
                     replies[node_of_id[mid]] = reply
+            now = time.monotonic()
+            pending = {mid for mid in pending if deadline_of_id[mid] is None or now < deadline_of_id[mid]}
             if pending:
                 time.sleep(POLL_SECONDS)
         return replies
 
-    def _message(self, content: RecordDict, node: int, kind: str, round_idx: int) -> Message:
-        timeout = self.cfg.engine.round_timeout
+    def _message(self, content: RecordDict, node: int, kind: str, round_idx: int,
+                 timeout: float | None = None) -> Message:
+        """A message that expires after ``timeout`` seconds (default ``engine.round_timeout``; None: never)."""
+        timeout = self.cfg.engine.round_timeout if timeout is None else timeout
         return Message(content, dst_node_id=node, message_type=kind, group_id=str(round_idx),
                        ttl=None if timeout is None else timeout)
+
+    def reply_timeout(self, num_tasks: int) -> tuple[float | None, bool]:
+        """How long to wait for a node's reply to ``num_tasks`` tasks, and whether that is the clients'
+        deadline: ``client.timeout_seconds`` per task (a node serves its clients one after another;
+        with one client per node it is the client's own reply deadline), at most ``engine.round_timeout``."""
+        round_timeout = self.cfg.engine.round_timeout
+        if self.cfg.client.timeout_seconds is None:
+            return round_timeout, False
+        deadline = self.cfg.client.timeout_seconds * num_tasks
+        if round_timeout is not None and round_timeout < deadline:
+            return round_timeout, False
+        return deadline, True
 
     def _by_node(self, clients: Sequence[int]) -> tuple[dict[int, list[int]], list[int]]:
         """Positions of ``clients`` grouped by the node hosting them, and the positions no node hosts."""
@@ -323,12 +347,15 @@ class FlowerTransport:
             cid = tasks[position].client_id
             outcomes[position] = ClientFailure(cid, "unreachable", f"no SuperNode serves client {cid}'s partition")
         messages = []
+        timeouts = []
         for node, positions in groups.items():
             content = RecordDict({})
             for index, position in enumerate(positions):
                 put_task(content, index, tasks[position])
-            messages.append(self._message(content, node, MessageType.TRAIN, round_idx))
-        replies = self._exchange(messages, self.cfg.engine.round_timeout)
+            timeout, _ = self.reply_timeout(len(positions))
+            messages.append(self._message(content, node, MessageType.TRAIN, round_idx, timeout))
+            timeouts.append(timeout)
+        replies = self._exchange(messages, timeouts)
         for node, positions in groups.items():
             for position, outcome in zip(positions, self._node_outcomes(node, replies.get(node), tasks, positions)):
                 outcomes[position] = outcome
@@ -339,6 +366,11 @@ class FlowerTransport:
         """One node's reply split into its tasks' outcomes (all failures when it sent none or an error)."""
         clients = [tasks[p].client_id for p in positions]
         if reply is None:
+            timeout, client_deadline = self.reply_timeout(len(positions))
+            if client_deadline:
+                reason = (f"no reply from SuperNode {node} within client.timeout_seconds = "
+                          f"{self.cfg.client.timeout_seconds:g} s per client ({len(clients)} clients: {timeout:g} s)")
+                return [ClientFailure(c, "timeout", reason) for c in clients]
             reason = f"no reply from SuperNode {node} within engine.round_timeout={self.cfg.engine.round_timeout:g} s"
             return [ClientFailure(c, "unreachable", reason) for c in clients]
         if reply.has_error():
