@@ -211,6 +211,22 @@ def assert_per_sample_gradients_are_single_example_gradients(exp: Experiment) ->
             assert torch.allclose(samples[i], singles[i][name], atol=1e-5, rtol=1e-4), (name, i)
 
 
+@pytest.mark.parametrize("task", ["ner", "qa"])
+def test_per_token_tasks_get_exact_per_example_gradients_and_train_privately(tmp_path: Path, task: str) -> None:
+    """Token classification (one loss per example, not per batch token) and extractive QA (one per
+    window): Opacus's per-sample gradients are each row's own gradient, and a DP round runs."""
+    from tests.test_extractive_qa import qa_raw
+    from tests.test_token_classification import ner_raw
+
+    raw = (ner_raw if task == "ner" else qa_raw)(tmp_path, "lora", rounds=1, adapter={"dropout": 0.0},
+                                                   client={"local_steps": 2, "dp": {"epsilon": 3.0}})
+    exp = prepare(build_config(raw))  # the probe step passed
+    assert_per_sample_gradients_are_single_example_gradients(exp)
+    records = LocalEngine(exp, tmp_path / "run").run()
+    assert records[-1]["privacy"]["steps"] == {str(c): 2 for c in records[-1]["clients"]}
+    assert 0 < records[-1]["privacy"]["max_epsilon"] < 3.0
+
+
 @pytest.mark.parametrize("method,culprit", [
     ("full", "position_embeddings"), ("ia3", "ia3_l"), ("prompt_tuning", "prompt_encoder"),
     ("p_tuning_v2", "prefix_encoder")])
@@ -269,6 +285,23 @@ def test_dp_client_still_learns_at_a_loose_epsilon(toy_files: tuple[Path, Path],
     before, after = records[0]["eval"]["accuracy"], records[1]["eval"]["accuracy"]
     assert after >= 0.75 and after > before + 0.1, (before, after)  # chance is 0.5
     assert 490 < records[1]["privacy"]["epsilon"]["0"] <= 500
+
+
+def test_token_classification_loss_is_a_mean_of_per_example_token_means() -> None:
+    """transformers averages a tagging loss over the batch's tokens; DP-SGD needs one loss per example."""
+    logits = torch.randn(2, 4, 3)
+
+    class Tagger(nn.Module):
+        def forward(self, **batch: torch.Tensor) -> SimpleNamespace:
+            return SimpleNamespace(logits=logits)
+
+    labels = torch.tensor([[-100, 0, 2, 1], [-100, 1, -100, -100]])  # aligned with the logits, no shift
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": labels}
+    data = SimpleNamespace(targets=None, head="token_classification")
+    logp = torch.log_softmax(logits, dim=-1)
+    first = -(logp[0, 1, 0] + logp[0, 2, 2] + logp[0, 3, 1]) / 3
+    second = -logp[1, 1, 1]
+    assert torch.allclose(example_mean_loss(Tagger(), data, batch), (first + second) / 2)  # type: ignore[arg-type]
 
 
 def test_generation_loss_is_a_mean_of_per_example_token_means() -> None:

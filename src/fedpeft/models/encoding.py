@@ -262,12 +262,12 @@ def training_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Ten
     return batch
 
 
-def _target_log_probs(model: nn.Module, batch: dict[str, torch.Tensor], seq2seq: bool
+def _target_log_probs(model: nn.Module, batch: dict[str, torch.Tensor], aligned: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p of every target token (rows x positions) and the mask of real targets. Seq2seq
-    logits align with labels; causal ones shift by one."""
+    """log p of every target token (rows x positions) and the mask of real targets. Seq2seq and
+    token-classification logits align with their labels (``aligned``); causal ones shift by one."""
     labels = batch["labels"]
-    if seq2seq:
+    if aligned:
         logits = model(**batch).logits
     else:
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
@@ -283,17 +283,33 @@ def _sequence_log_likelihood(model: nn.Module, batch: dict[str, torch.Tensor], s
     return (picked * mask).sum(dim=-1)
 
 
+PER_TOKEN_LOSS_HEADS = ("causal_lm", "seq2seq", "token_classification")
+"""Heads whose transformers loss averages over every target token of the batch."""
+
+
 def example_mean_loss(model: nn.Module, data: EncodedData, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mean over examples of each example's own loss, as DP-SGD's per-example clipping needs.
+    """The mean over examples of each example's own loss, as DP-SGD's per-example clipping needs:
+    no example's loss may depend on the other examples of its batch (or one example's presence
+    would change the others' gradients, and the sensitivity bound would not hold).
 
     Classification, regression and verbalizer heads already average one loss per example. For
-    generation, transformers averages over all target tokens of the batch, which makes an example's
-    weight depend on the other examples' lengths; here each example's loss is the mean over its own
-    target tokens, and the batch loss the mean over examples.
+    generation and token classification, transformers averages over all target tokens of the
+    batch, which makes an example's weight depend on the other examples' lengths; here each
+    example's loss is the mean over its own target tokens. Extractive QA (one loss per window):
+    transformers' softmax over start/end positions includes the batch's padding, whose length
+    depends on the longest window; here padding positions are masked out of it.
     """
-    if data.targets is None and data.head not in ("causal_lm", "seq2seq"):
+    if data.head == "question_answering":
+        inputs = {k: v for k, v in batch.items() if k not in SPAN_TARGETS}
+        outputs = model(**inputs)
+        padding = inputs["attention_mask"] == 0
+        losses = [nn.functional.cross_entropy(logits.float().masked_fill(padding, float("-inf")), batch[key],
+                                              reduction="none")
+                  for logits, key in zip((outputs.start_logits, outputs.end_logits), SPAN_TARGETS)]
+        return ((losses[0] + losses[1]) / 2).mean()
+    if data.targets is None and data.head not in PER_TOKEN_LOSS_HEADS:
         return model(**batch).loss
-    picked, mask = _target_log_probs(model, batch, data.head == "seq2seq")
+    picked, mask = _target_log_probs(model, batch, data.head != "causal_lm")
     return -((picked * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).mean()
 
 
