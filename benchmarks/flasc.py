@@ -78,7 +78,7 @@ def experiment(args: argparse.Namespace, name: str, run_dir: Path) -> dict[str, 
                      "weight_decay": 0.01, "weighting": "uniform", "clients_per_round": args.per_round},
         "network": {"down_mbps": DOWN_MBPS, "up_mbps": DOWN_MBPS / 16},
         "engine": {"threads": args.threads},
-        "evaluation": {"every": 1, "at_start": True, "batch_size": 64},
+        "evaluation": {"every": args.eval_every, "at_start": True, "batch_size": 64},
         "output": {"run_dir": str(run_dir), "progress": False},
     }
     if recipe != "lora":
@@ -168,7 +168,8 @@ def row(args: argparse.Namespace, name: str, records: list[dict[str, Any]], wall
         "wall_seconds": wall, "client_flops_per_step": trained[0].get("client_flops_per_step"),
         "method_metrics_last_round": trained[-1].get("method", {}),
         "curve": [{"round": r["round"], "accuracy": r["eval"].get("accuracy"),
-                   "cum_bytes": r.get("cum_bytes_down", 0) + r.get("cum_bytes_up", 0)} for r in records],
+                   "cum_bytes": r.get("cum_bytes_down", 0) + r.get("cum_bytes_up", 0)}
+                  for r in records if "accuracy" in r["eval"]],
     }
 
 
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-examples", type=int, default=1500)
     parser.add_argument("--eval-examples", type=int, default=250)
     parser.add_argument("--max-length", type=int, default=48)
+    parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--client-lr", type=float, default=0.01)
     parser.add_argument("--server-lr", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"torch threads {args.threads}, Python {platform.python_version()}",
         "setup": (f"20 Newsgroups (headers kept), {args.train_examples} training examples (seeded subsample), "
                   f"{args.eval_examples} eval examples, max length {args.max_length}; Dirichlet alpha 0.1 over "
-                  f"{args.clients} clients, {args.per_round} per round, {args.rounds} rounds, seed {args.seed}; "
+                  f"{args.clients} clients, {args.per_round} per round, {args.rounds} rounds (evaluated every "
+                  f"{args.eval_every}), seed {args.seed}; "
                   f"LoRA r=16 (alpha 16, dropout 0.1) on query/value + classifier (lora_r4: r=4, alpha 4); "
                   f"client SGD lr {args.client_lr} momentum 0.9 batch 16, 1 epoch; server AdamW lr "
                   f"{args.server_lr}, betas 0.9/0.999, weight decay 0.01, plain mean of client updates."),

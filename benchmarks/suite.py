@@ -59,7 +59,8 @@ HEADLINES = (
              (("mnli", "iid_10x2"),), ("b1_random", "headprune_random", "headprune_lossgap"), "b1_random"),
     Headline("FedPepTAO", "fedpeptao", "more accurate than the prompt baselines with ~40% less communication "
              "than full P-tuning v2",
-             (("sst2", "dirichlet1.0"),), ("p_tuning_v2", "prompt_tuning", "fedpeptao"), "p_tuning_v2"),
+             (("mr", "dirichlet1.0"), ("rte", "dirichlet1.0")), ("p_tuning_v2", "prompt_tuning", "fedpeptao"),
+             "p_tuning_v2"),
 )
 
 

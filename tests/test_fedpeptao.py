@@ -16,6 +16,7 @@ from fedpeft.config import AdapterConfig, ConfigError, ModelConfig, build_config
 from fedpeft.data.types import TaskData
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
+from fedpeft.methods.fedpeptao.algorithm import LAYER_SCORES_KEY, RATIO_PROBE_KEY
 from fedpeft.methods.fedpeptao.hessian import (
     density_ratio,
     eigengap_ratio,
@@ -264,7 +265,9 @@ def test_only_selected_layers_cross_the_wire_after_selection(toy_files: tuple[Pa
     state = engine.final_state
     full = len(exp.up_codec.encode({k: state[k] for k in [*layers, *head]}))
     partial = len(exp.up_codec.encode({k: state[k] for k in [*chosen, *head]}))
-    assert records[0]["bytes_up"] == [full, full]  # round t: everything, with the scores and the ratio
+    # round t: everything, with the layer scores inside the message (the ratio is fixed here: no probe)
+    scored = len(exp.up_codec.encode({**{k: state[k] for k in [*layers, *head]}, LAYER_SCORES_KEY: torch.zeros(3)}))
+    assert records[0]["bytes_up"] == [scored, scored] and scored > full
     seen = set(records[0]["clients"])
     for record in records[1:]:
         assert record["bytes_up"] == [partial, partial]
@@ -288,6 +291,9 @@ def test_hessian_probe_selects_layers_and_resume_is_bit_identical(toy_files: tup
     first = full_records[0]["method"]
     assert "ratio" in first and 0.0 < first["ratio"] <= 1.0
     assert len(first["global_scores"]) == 3 and first["selected_layers"]
+    exp = full_engine.exp  # round t's replies carry the layer scores and the ratio probe inside the message
+    sent = {**exp.initial_state, LAYER_SCORES_KEY: torch.zeros(3), RATIO_PROBE_KEY: torch.zeros(4)}
+    assert full_records[0]["bytes_up"] == [len(exp.up_codec.encode(sent))] * 2
 
     part = fedpeptao_raw(train, eval_, tmp_path / "part", 2)
     LocalEngine(prepare(build_config(part)), tmp_path / "part").run()

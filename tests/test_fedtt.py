@@ -109,6 +109,33 @@ def test_fedtt_plus_uploads_exactly_the_trained_cores_and_keeps_frozen_ones_iden
     assert moved and all(not torch.equal(global_states[2][k], global_states[1][k]) for k in moved)
 
 
+def test_fedtt_plus_cross_silo_download_sends_only_what_changed(toy_files: tuple[Path, Path],
+                                                                 tmp_path: Path) -> None:
+    """Alg. 2 line 11: after round 1 a client downloads only the cores and head of the previous
+    round; it trains exactly the model a full download gives (same weights, same losses)."""
+    train, eval_ = toy_files
+    runs = {}
+    for partial in (True, False):
+        raw = tiny_raw_config(train, eval_, tmp_path / str(partial), method="fedtt_plus", rounds=3,
+                              adapter=SMALL_MODES, partition={"kind": "iid", "num_clients": 3},
+                              strategy={"name": "fedavg", "selection": "all", "clients_per_round": None,
+                                        "partial_download": partial})
+        exp = prepare(build_config(raw))
+        engine = LocalEngine(exp, tmp_path / str(partial))
+        runs[partial] = (exp, engine.run(), engine.final_state)
+    exp, records, final = runs[True]
+    _, full_records, full_final = runs[False]
+    assert all(torch.equal(final[k], full_final[k]) for k in final)
+    assert [r["client_losses"] for r in records] == [r["client_losses"] for r in full_records]
+    initial = exp.initial_state
+    assert records[0]["bytes_down"] == [len(exp.down_codec.encode(initial))] * 3  # first contact: everything
+    for t, record in enumerate(records[1:], start=2):
+        changed = exp.algorithm.round_keys(t - 1)  # the previous round's G_1, G_r, G_J and the head
+        expected = len(exp.down_codec.encode({k: initial[k] for k in sorted(changed)}))
+        assert record["bytes_down"] == [expected] * 3, t
+        assert expected < full_records[t - 1]["bytes_down"][0]
+
+
 @pytest.mark.parametrize("biases", [False, True])
 def test_fedtt_plus_adapter_biases_frozen_unless_asked(toy_files: tuple[Path, Path], tmp_path: Path,
                                                        biases: bool) -> None:

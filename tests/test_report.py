@@ -126,3 +126,19 @@ def test_report_renders_in_headless_chromium(two_runs: list[Path], tmp_path: Pat
     assert all(complete and width > 0 for complete, width in images), images
     assert errors == []
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_method_values_split_scalars_families_and_matrices(tmp_path: Path) -> None:
+    from fedpeft.metrics.compare import Run
+    from fedpeft.metrics.report import MAX_LINES, method_values
+
+    many = {f"layer{i}.lora_B": 0.1 * i for i in range(MAX_LINES + 1)}
+    few = {"A": 1.0, "B": 2.0}
+    records = [{"round": r, "method": {"variation_B": float(r), "per_matrix": many, "densities": few,
+                                       "active": True, "scores": [[1.0, 2.0], [3.0, 4.0]]}} for r in (1, 2)]
+    values = method_values(Run(tmp_path, "run", {}, [{"round": 0, "method": {}}, *records], None))
+    assert values.scalars == {"variation_B": [(1, 1.0), (2, 2.0)], "densities.A": [(1, 1.0), (2, 1.0)],
+                              "densities.B": [(1, 2.0), (2, 2.0)]}  # booleans are not series
+    assert set(values.families) == {"per_matrix"} and len(values.families["per_matrix"]) == MAX_LINES + 1
+    assert values.families["per_matrix"]["layer2.lora_B"] == [(1, 0.2), (2, 0.2)]
+    assert values.matrices == {"scores": (2, [[1.0, 2.0], [3.0, 4.0]])}  # the last round's

@@ -23,11 +23,16 @@ Choices, with reasons:
 - Layers with J <= 3 cores have no core to freeze (J = 3: r is always 2); all their cores train.
 - The classification head is "always trainable" (Sec. 4.3); we read this as covering a
   tensorized classifier too: every core of ``adapter.tt_classifier``'s layer trains every round.
-- Downlink: Alg. 2 line 11 sends only the cores updated in the round, assuming clients keep the
-  rest from earlier rounds. Our clients are stateless (a client may be simulated in a fresh
-  process, and memory must not grow with the number of clients), so the downlink carries the
-  whole global TT state; the frozen cores in it are the server's, identical for every client.
-  The uplink is exactly Alg. 2's: the trained cores and the head.
+- Downlink: Alg. 2 line 11 sends only the cores updated in the round: the clients keep the rest
+  from earlier rounds. With ``strategy.partial_download`` (default: on in cross-silo mode,
+  ``selection: all``, the setting of Alg. 2) each device keeps its copy of the global state it
+  last received (device-side state: it moves with the client in every engine) and the server sends
+  it only the keys that changed since then (exactly G_1, G_r, G_J of the previous round and the
+  head when it took part in that round); a client the server has no reply from yet gets the whole
+  state. Cross-device (a random subset each round) clients are stateless by default and download
+  the whole TT state, whose frozen cores are the server's, identical for every client. The server
+  learns which state a client holds only from the replies it aggregated, so a lost reply costs a
+  larger download, never a wrong model. The uplink is exactly Alg. 2's: the trained cores and the head.
 - Aggregation is the configured strategy (FedAvg, sample-weighted, in the recipe), per key over
   the clients that sent it, so frozen cores are never touched by the server.
 """
@@ -37,13 +42,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from fedpeft.adapters.tt import tt_layers
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
+from fedpeft.federated.client import ModelSlot, TrainStats
 from fedpeft.federated.strategy.fedadamw import validate_options
-from fedpeft.federated.types import ClientTask, State
+from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.models.encoding import EncodedData
 
 
 class FedTTPlusOptions(BaseModel):
@@ -52,6 +61,7 @@ class FedTTPlusOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     train_adapter_biases: bool = False  # Alg. 2: biases frozen; true: trained and sent every round
+    partial_download: bool | None = None  # Alg. 2 line 11: send only what changed; None: on when cross-silo
 
 
 def round_robin_core(round_idx: int, num_cores: int) -> int | None:
@@ -89,6 +99,11 @@ class FedTTPlus(Algorithm):
         }
         self.frozen_biases = frozenset() if self.options.train_adapter_biases else frozenset(
             f"{name}.bias" for name in self.round_robin if f"{name}.bias" in trainable)
+        partial = self.options.partial_download
+        self.partial_download = cfg.strategy.selection == "all" if partial is None else partial
+        self.changed_at: dict[str, int] = {}  # server: the last round whose aggregation changed a key
+        self.synced: dict[int, int] = {}  # server: the round whose global state a client last received
+        self.known: dict[int, State] = {}  # device side: each client's copy of that global state
 
     def round_keys(self, round_idx: int) -> frozenset[str]:
         """The keys trained and uploaded in ``round_idx``: every trainable key except the frozen cores
@@ -105,7 +120,55 @@ class FedTTPlus(Algorithm):
         for task in tasks:
             task.train_keys = keys
             task.upload_keys = keys
+            since = self.synced.get(task.client_id) if self.partial_download else None
+            if since is not None:
+                task.payload = {k: v for k, v in global_state.items() if self.changed_at.get(k, 0) >= since}
         return tasks
+
+    def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
+        new_state = super().aggregate(round_idx, global_state, results)
+        for key, value in new_state.items():
+            if not torch.equal(value, global_state[key]):
+                self.changed_at[key] = round_idx
+        self.synced.update((r.client_id, round_idx) for r in results)
+        return new_state
+
+    # ----- device side -------------------------------------------------------------------------
+    def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
+                      seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
+        known = self.known.get(task.client_id)
+        current = dict(task.payload) if known is None else {**known, **task.payload}
+        missing = set(slot.trainable) - set(current)
+        if missing:
+            raise ValueError(f"client {task.client_id} holds no copy of {len(missing)} keys the server did not "
+                             "resend (its device state was lost); the server resends everything next time")
+        if self.partial_download:
+            self.known[task.client_id] = {k: v.clone() for k, v in current.items()}
+        slot.load(current)
+        return super().client_update(slot, data, shard, task, seed, count_flops)
+
+    def device_state(self, client_id: int) -> State | None:
+        return self.known.get(client_id)
+
+    def load_device_state(self, client_id: int, state: State | None) -> None:
+        if state is None:
+            self.known.pop(client_id, None)
+        else:
+            self.known[client_id] = dict(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["fedtt_plus"] = {"changed_at": dict(self.changed_at),
+                               "synced": {str(c): r for c, r in self.synced.items()},
+                               "known": {str(c): s for c, s in self.known.items()}}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        own = state.get("fedtt_plus", {})
+        self.changed_at = dict(own.get("changed_at", {}))
+        self.synced = {int(c): int(r) for c, r in own.get("synced", {}).items()}
+        self.known = {int(c): dict(s) for c, s in own.get("known", {}).items()}
 
     def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
         keys = self.round_keys(round_idx)

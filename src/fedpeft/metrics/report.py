@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from fedpeft.metrics.compare import Bandwidth, Run, time_axis
 from fedpeft.metrics.summary import human_bytes
 
 MAX_PARTITION_PANELS = 6
+MAX_LINES = 6  # a nested group of more method series than this is drawn as one heatmap
 
 
 @dataclass
@@ -102,19 +104,26 @@ def curve_plots(runs: Sequence[Run], out_dir: Path, bandwidth: Bandwidth | None)
 
 
 def partition_plot(runs: Sequence[Run], out_dir: Path) -> list[Plot]:
-    shown = [run for run in runs if run.partition][:MAX_PARTITION_PANELS]
+    """One panel per distinct partition (runs sharing a partition share its panel)."""
+    distinct: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for run in runs:
+        if run.partition:
+            key = json.dumps(run.partition, sort_keys=True)
+            distinct.setdefault(key, (run.partition, []))[1].append(run.name)
+    shown = list(distinct.values())[:MAX_PARTITION_PANELS]
     if not shown:
         return []
     fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.4 * len(shown)), squeeze=False)
-    for ax, run in zip(axes[:, 0], shown):
-        clients = run.partition["clients"]
-        names = run.partition["label_names"] or ["value"]
+    for ax, (partition, names_of_runs) in zip(axes[:, 0], shown):
+        clients = partition["clients"]
+        names = partition["label_names"] or ["value"]
         bottom = [0] * len(clients)
         for name in names:
             counts = [c["labels"].get(name, 0) if "labels" in c else c["size"] for c in clients]
             ax.bar(range(len(clients)), counts, bottom=bottom, label=name, width=0.9)
             bottom = [b + n for b, n in zip(bottom, counts)]
-        ax.set(xlabel="client", ylabel="examples", title=f"{run.name}: data per client")
+        who = names_of_runs[0] if len(names_of_runs) == 1 else f"{len(names_of_runs)} runs ({names_of_runs[0]}, ...)"
+        ax.set(xlabel="client", ylabel="examples", title=f"data per client: {who}")
         if len(names) <= 12:
             ax.legend(fontsize=7, ncol=min(len(names), 6))
     return [_save(fig, "partition", "training examples per client, by label", out_dir)]
@@ -133,39 +142,81 @@ def _is_matrix(value: Any) -> bool:
             and all(isinstance(x, int | float) for row in value for x in row))
 
 
+@dataclass
+class MethodValues:
+    """What one run logged under ``method``: scalar series, families of series, last-round matrices."""
+
+    scalars: dict[str, list[tuple[int, float]]]
+    families: dict[str, dict[str, list[tuple[int, float]]]]  # e.g. FeDeRA's variation per LoRA matrix
+    matrices: dict[str, tuple[int, list[list[float]]]]
+
+
+def method_values(run: Run) -> MethodValues:
+    """Split a run's per-round method values: a nested group with more than :data:`MAX_LINES`
+    series (one per LoRA matrix, per layer, ...) is a family, shown as one heatmap."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    matrices: dict[str, tuple[int, list[list[float]]]] = {}
+    for record in run.trained:
+        flat: dict[str, Any] = {}
+        _flatten("", record.get("method", {}), flat)
+        for key, value in flat.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                series.setdefault(key, []).append((record["round"], float(value)))
+            elif _is_matrix(value):
+                matrices[key] = (record["round"], value)
+    groups: dict[str, list[str]] = {}
+    for key in series:
+        if "." in key:
+            groups.setdefault(key.split(".", 1)[0], []).append(key)
+    families = {group: {key.split(".", 1)[1]: series.pop(key) for key in keys}
+                for group, keys in groups.items() if len(keys) > MAX_LINES}
+    return MethodValues(series, families, matrices)
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text)
+
+
 def method_plots(runs: Sequence[Run], out_dir: Path) -> list[Plot]:
-    """Line plots of each logged scalar, heatmaps of each logged matrix (last round), per run."""
+    """Method-specific values: each scalar series in one panel with a line per run (so FeDeRA's and
+    LoRA's variations, or two FLASC densities, sit side by side), each family of series as a
+    heatmap per run (rows = series, columns = rounds), each matrix as a heatmap of its last round."""
+    values = {run.name: method_values(run) for run in runs}
     plots = []
-    for run in runs:
-        series: dict[str, list[tuple[int, float]]] = {}
-        matrices: dict[str, tuple[int, list[list[float]]]] = {}
-        for record in run.trained:
-            flat: dict[str, Any] = {}
-            _flatten("", record.get("method", {}), flat)
-            for key, value in flat.items():
-                if isinstance(value, bool):
-                    continue
-                if isinstance(value, int | float):
-                    series.setdefault(key, []).append((record["round"], float(value)))
-                elif _is_matrix(value):
-                    matrices[key] = (record["round"], value)
-        slug_base = "".join(ch if ch.isalnum() else "_" for ch in run.name)
-        if series:
-            keys = sorted(series)
-            fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.0 * len(keys) + 0.6), squeeze=False)
-            for ax, key in zip(axes[:, 0], keys):
-                ax.plot([x for x, _ in series[key]], [y for _, y in series[key]], marker=".", ms=4)
-                ax.set(ylabel=key, xlabel="round")
-                ax.grid(alpha=0.3)
-            axes[0, 0].set_title(f"{run.name}: method values per round")
-            plots.append(_save(fig, f"method_{slug_base}", f"{run.name}: method-specific values", out_dir))
-        for key, (round_idx, matrix) in sorted(matrices.items()):
+    keys = sorted({key for v in values.values() for key in v.scalars})
+    if keys:
+        columns = 2 if len(keys) > 1 else 1
+        rows = (len(keys) + columns - 1) // columns
+        fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 2.6 * rows + 0.4), squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            for name, v in values.items():
+                if key in v.scalars:
+                    ax.plot(*zip(*v.scalars[key]), marker=".", ms=4, label=name)
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("round")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.set_visible(False)
+        axes[0, 0].legend(fontsize=7)
+        plots.append(_save(fig, "method_values", "method-specific values per round", out_dir))
+    for name, v in values.items():
+        for family, members in sorted(v.families.items()):
+            labels = sorted(members)
+            rounds = sorted({r for series in members.values() for r, _ in series})
+            grid = [[dict(members[label]).get(r, float("nan")) for r in rounds] for label in labels]
+            fig, ax = plt.subplots(figsize=(8, 0.22 * len(labels) + 1.6))
+            image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+            fig.colorbar(image, ax=ax)
+            ax.set_yticks(range(len(labels)), [label[-48:] for label in labels], fontsize=6)
+            ax.set_xticks(range(len(rounds)), [str(r) for r in rounds], fontsize=7)
+            ax.set(title=f"{name}: {family}", xlabel="round")
+            plots.append(_save(fig, f"family_{_slug(name)}_{_slug(family)}", f"{name}: {family} per round", out_dir))
+        for key, (round_idx, matrix) in sorted(v.matrices.items()):
             fig, ax = plt.subplots(figsize=(7, 3.6))
             image = ax.imshow(matrix, aspect="auto", cmap="viridis")
             fig.colorbar(image, ax=ax)
-            ax.set(title=f"{run.name}: {key} (round {round_idx})", xlabel="column", ylabel="row")
-            slug = f"heatmap_{slug_base}_{''.join(ch if ch.isalnum() else '_' for ch in key)}"
-            plots.append(_save(fig, slug, f"{run.name}: {key}", out_dir))
+            ax.set(title=f"{name}: {key} (round {round_idx})", xlabel="column", ylabel="row")
+            plots.append(_save(fig, f"heatmap_{_slug(name)}_{_slug(key)}", f"{name}: {key}", out_dir))
     return plots
 
 

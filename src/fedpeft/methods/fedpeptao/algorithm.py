@@ -24,7 +24,15 @@ Round flow (registered as algorithm ``fedpeptao``):
 
 Client-side state (each device's prompt) lives in this object in the local engine; it and the
 server state (control variates per device, momentum, previous update, scores, selection) are
-checkpointed. The per-client probe results travel in ``ClientResult.metrics`` (L + 4 floats).
+checkpointed. The per-client probe results travel inside the upload message, so their bytes are
+counted: ``fedpeptao.layer_scores`` (L floats, Eq. 3) and ``fedpeptao.ratio_probe`` (r_i, the
+secant Lipschitz estimate, the extreme Hessian eigenvalues); the server takes them out before
+aggregating.
+
+Evaluation: the paper evaluates on the tasks' dev/test sets without saying which model; we
+evaluate the global state (selected layers as aggregated, the others as of round t). The authors'
+released code evaluates personalised models instead (each device's own prompt with the global
+selected layers), which a device-side evaluation would need; not implemented here.
 
 Options (``strategy.*``; ``server_lr`` is eta^1 and ``server_momentum`` beta): ``layer_selection``
 (false: every layer always, the MomS+AdamD baseline), ``selection_round`` (t), ``score_kernel``
@@ -69,7 +77,9 @@ from fedpeft.methods.fedpeptao.server import AdaptiveServer, AdaptiveServerOptio
 from fedpeft.models.encoding import EncodedData, model_inputs, training_batch
 from fedpeft.seeding import derive_seed
 
-SCORE_PREFIX = "layer_score."
+LAYER_SCORES_KEY = "fedpeptao.layer_scores"
+RATIO_PROBE_KEY = "fedpeptao.ratio_probe"  # [r_i, Lipschitz estimate, lambda_min, lambda_max]
+PROBE_KEYS = (LAYER_SCORES_KEY, RATIO_PROBE_KEY)
 
 
 class FedPepTAOOptions(BaseModel):
@@ -153,17 +163,17 @@ class FedPepTAO(Algorithm):
         return tasks
 
     def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
-        replies = [ClientDelta(r.client_id, clipped_if_robust(self.cfg.strategy, r.update), r.num_samples,
-                               int(r.metrics.get("steps", 1))) for r in results]
+        replies = [ClientDelta(r.client_id,
+                               clipped_if_robust(self.cfg.strategy,
+                                                 {k: v for k, v in r.update.items() if k not in PROBE_KEYS}),
+                               r.num_samples, int(r.metrics.get("steps", 1))) for r in results]
         new_state = self.server.step(round_idx, global_state, replies)
         self.joined.update(r.client_id for r in results)
         for r in results:
-            scores = [r.metrics[f"{SCORE_PREFIX}{i}"] for i in range(len(self.layer_keys))
-                      if f"{SCORE_PREFIX}{i}" in r.metrics]
-            if len(scores) == len(self.layer_keys):
-                self.client_scores[r.client_id] = torch.tensor(scores)
+            if LAYER_SCORES_KEY in r.update:
+                self.client_scores[r.client_id] = r.update[LAYER_SCORES_KEY].to(torch.float32).clone()
                 self.client_samples[r.client_id] = r.num_samples
-        ratios = [(r.metrics["prompt_ratio"], r.num_samples) for r in results if "prompt_ratio" in r.metrics]
+        ratios = [(float(r.update[RATIO_PROBE_KEY][0]), r.num_samples) for r in results if RATIO_PROBE_KEY in r.update]
         if self.options.layer_selection and round_idx == self.options.selection_round and self.options.fixed_ratio:
             ratios = [(self.options.fixed_ratio, 1)]
         if ratios:
@@ -210,18 +220,26 @@ class FedPepTAO(Algorithm):
         if own is not None:  # the device's own copy of the layers the server did not send
             slot.load({k: v for k, v in own.items() if k not in task.payload})
         slot.load(task.payload)
-        probes: dict[str, float] = {}
+        probes: State = {}
         rng = np.random.default_rng(derive_seed(seed, "fedpeptao-probe"))
         if task.config.get("probe_scores"):
-            probes.update(self.score_layers(slot, data, shard, rng))
+            probes[LAYER_SCORES_KEY] = self.score_layers(slot, data, shard, rng)
         if task.config.get("probe_ratio") and self.options.fixed_ratio is None:
             probe = self.hessian_ratio(slot, data, shard, rng, seed)
-            probes.update(prompt_ratio=probe.ratio, lipschitz=probe.lipschitz, hessian_lambda_min=probe.lambda_min,
-                          hessian_lambda_max=probe.lambda_max)
+            probes[RATIO_PROBE_KEY] = torch.tensor([probe.ratio, probe.lipschitz, probe.lambda_min, probe.lambda_max],
+                                                   dtype=torch.float32)
         result, stats = train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
         self.client_prompts[task.client_id] = slot.read(self.layer_keys)
-        result.metrics.update(probes)
+        result.update.update(probes)
         return result, stats
+
+    def extra_upload_shapes(self, task: ClientTask) -> dict[str, torch.Size]:
+        shapes = {}
+        if task.config.get("probe_scores"):
+            shapes[LAYER_SCORES_KEY] = torch.Size([len(self.layer_keys)])
+        if task.config.get("probe_ratio") and self.options.fixed_ratio is None:
+            shapes[RATIO_PROBE_KEY] = torch.Size([4])
+        return shapes
 
     def _probe_batch(self, data: EncodedData, shard: np.ndarray, size: int, rng: np.random.Generator
                      ) -> dict[str, torch.Tensor]:
@@ -230,8 +248,8 @@ class FedPepTAO(Algorithm):
 
     @torch.no_grad()
     def score_layers(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, rng: np.random.Generator
-                     ) -> dict[str, float]:
-        """Eq. 2-3 on one batch of this client's data, run without prompts."""
+                     ) -> torch.Tensor:
+        """Eq. 2-3 on one batch of this client's data, run without prompts: one score per layer."""
         batch = model_inputs(self._probe_batch(data, shard, self.options.score_batch_size, rng))
         slot.model.eval()
         with prompts_disabled(slot.model):
@@ -239,7 +257,7 @@ class FedPepTAO(Algorithm):
         mask = batch["attention_mask"]
         kernel = batch_kernel_scores if self.options.score_kernel == "batch" else layer_kernel_scores
         scores = kernel(hidden, mask, self.options.score_eps)
-        return {f"{SCORE_PREFIX}{i}": float(s) for i, s in enumerate(scores)}
+        return torch.as_tensor(scores, dtype=torch.float32).reshape(len(self.layer_keys))
 
     def hessian_ratio(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, rng: np.random.Generator,
                       seed: int) -> RatioProbe:
