@@ -22,6 +22,11 @@ method: the first round reaching 95% of that method's own best accuracy and the 
 then; we also report it against a common target (95% of the best accuracy of any method in the
 same setting), and the exact bytes of both directions.
 
+``fedtt``/``fedtt_plus`` use LoRETTA's init, as the paper does: on MiniLM it moves the logits by
+118% at round 0 (``adapter.tt_up_init_scale`` in ``fedpeft.adapters.tt.config``).
+``fedtt_up1e-3``/``fedtt_plus_up1e-3`` are the same recipes with the Up projections scaled by 1e-3
+at init (near-identity adapters, as LoRA's B = 0): same parameters, same bytes.
+
 Outputs (``benchmarks/results/``): ``fedtt.json`` (SPEC's results format), ``fedtt.md`` (tables)
 and ``fedtt_accuracy_vs_uplink.png`` (accuracy vs cumulative uplink bytes, every method).
 
@@ -59,6 +64,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "prompt_tuning": ("prompt_tuning", {"adapter": {"num_virtual_tokens": 10}, "client": {"lr": 0.03}}),
     "fedtt": ("fedtt", {}),
     "fedtt_plus": ("fedtt_plus", {}),
+    "fedtt_up1e-3": ("fedtt", {"adapter": {"tt_up_init_scale": 1e-3}}),
+    "fedtt_plus_up1e-3": ("fedtt_plus", {"adapter": {"tt_up_init_scale": 1e-3}}),
 }
 
 
@@ -318,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.max_length}; iid5: 5 clients, uniform split; severe: FedTT App. B label proportions, "
                   f"3 clients; cross-silo; {args.rounds} rounds, {args.local_steps} (iid5) / "
                   f"{args.local_steps_severe} (severe) local steps of batch {args.batch_size} per client and round, "
-                  f"AdamW lr {args.lr} (prompt tuning 0.03), FedAvg (sample-weighted), fp32 messages, "
-                  f"seed {args.seed}. LoRA on query/value (r=8 alpha 16, r=4 "
+                  f"AdamW lr {args.lr} (prompt tuning 0.03), FedAvg (sample-weighted; FedTT/FedTT+ 1/N as the "
+                  f"paper), fp32 messages, "
+                  f"seed {args.seed}. fedtt/fedtt_plus: LoRETTA's init; *_up1e-3: Up projections x 1e-3 at init. "
+                  f"LoRA on query/value (r=8 alpha 16, r=4 "
                   f"alpha 8); Houlsby and TT adapters bottleneck 64 after attention and FFN outputs; TT rank 5, "
                   f"shapes 384x64 -> [6,8,8,8,8], 64x384 -> [8,8,6,8,8]; prompt tuning 10 tokens; every method "
                   f"also trains the classifier."),

@@ -121,6 +121,7 @@ def test_unfactorizable_size_names_the_field() -> None:
     ({"tt_shapes": {"384x64": [6, 8, 8]}}, "adapter.tt_shapes"),
     ({"tt_shapes": {"384-64": [6, 8, 8, 8, 8]}}, "adapter.tt_shapes"),
     ({"tt_max_mode": 1}, "adapter.tt_max_mode"),
+    ({"tt_up_init_scale": 0.0}, "adapter.tt_up_init_scale"),
     ({"tt_ranks": 5}, "adapter.tt_ranks"),
 ])
 def test_bad_options_name_the_field(extra: dict, field: str) -> None:
@@ -161,6 +162,31 @@ def test_tensorized_adapters_on_every_architecture(name: str) -> None:
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_up_init_scale_starts_the_adapters_near_identity() -> None:
+    """``tt_up_init_scale`` scales every Up matrix (not Down) and zeroes its bias; outputs barely move."""
+    outputs, ups, downs = {}, {}, {}
+    examples = [Example(texts=("the movie was good",), label=1), Example(texts=("awful plot",), label=0)]
+    for scale in (1.0, 1e-3):
+        torch.manual_seed(0)
+        backbone = load_backbone(ModelConfig(name="tiny-bert"), TASK, 0)
+        backbone.model.eval()
+        plain = backbone.model(**training_batch(encode_examples(examples, backbone.tokenizer, backbone.head,
+                                                                TASK, 16), [0, 1])).logits.detach()
+        torch.manual_seed(1)
+        build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_up_init_scale=scale)).apply(backbone)
+        backbone.model.eval()
+        adapted = [m for m in backbone.model.modules() if isinstance(m, AdaptedLayer)]
+        ups[scale] = [m.adapter.up for m in adapted]
+        downs[scale] = [m.adapter.down.weight_matrix().detach() for m in adapted]
+        data = encode_examples(examples, backbone.tokenizer, backbone.head, TASK, 16)
+        outputs[scale] = (backbone.model(**training_batch(data, [0, 1])).logits.detach() - plain).abs().max()
+    for up, reference in zip(ups[1e-3], ups[1.0], strict=True):
+        assert torch.allclose(up.weight_matrix(), reference.weight_matrix() * 1e-3, atol=1e-9)
+        assert float(up.bias.abs().max()) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(downs[1e-3], downs[1.0], strict=True))
+    assert float(outputs[1e-3]) < 1e-2 * float(outputs[1.0])
 
 
 def test_tensorized_classifier() -> None:

@@ -71,6 +71,14 @@ class TTLinear(nn.Module):
             bound = 1.0 / math.sqrt(self.out_features)
             self.bias.uniform_(-bound, bound)
 
+    @torch.no_grad()
+    def scale_init(self, factor: float) -> None:
+        """Scale W by ``factor`` (through the last core) and zero the bias: a near-identity start
+        for an adapter's Up projection (``adapter.tt_up_init_scale``)."""
+        self.cores[-1].mul_(factor)
+        if self.bias is not None:
+            self.bias.zero_()
+
     def weight_matrix(self) -> torch.Tensor:
         """The IN x OUT matrix the cores represent."""
         return tt_contract(list(self.cores)).reshape(self.in_features, self.out_features)

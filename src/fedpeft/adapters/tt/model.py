@@ -55,7 +55,10 @@ class TTAdapter(Adapter):
         return TTLinear(in_features, out_features, modes, self.options.tt_rank)
 
     def inject(self, backbone: Backbone) -> None:
-        inject_bottlenecks(backbone.model, self.cfg, self.options, self.linear)
+        adapted = inject_bottlenecks(backbone.model, self.cfg, self.options, self.linear)
+        if self.options.tt_up_init_scale != 1.0:
+            for layer in adapted:
+                layer.adapter.up.scale_init(self.options.tt_up_init_scale)
         if self.options.tt_classifier:
             self._tensorize_classifier(backbone)
 
