@@ -18,7 +18,8 @@ dropped, and the simulated time (bandwidth model: 10/1 Mbps) against the clean r
 
 **Local DP** (FedTT Table 4 setting scaled to a CPU: 3 clients, cross-silo, DP-SGD on every client
 through Opacus, delta 1e-5, clip norm C, epsilon 1/3/6 over the whole run, and the non-private run
-as reference) for LoRA, FedTT and BitFit: best and final accuracy and the epsilon actually spent.
+as reference) for LoRA, FedTT (Up projections x 1e-3 at init, ``adapter.tt_up_init_scale``) and
+BitFit: best and final accuracy and the epsilon actually spent.
 
 Outputs: ``robustness.json`` (``rows``: one per fault; ``dp``: one per method and epsilon) and
 ``robustness.md`` in ``--out``. Finished runs in ``--work-dir`` are reused, interrupted ones
@@ -75,7 +76,7 @@ FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 DP_METHODS = {
     "lora": ("lora", {"adapter": {"kind": "lora", "r": 8, "alpha": 16, "target_modules": ["query", "value"]}}),
-    "fedtt": ("fedtt", {}),
+    "fedtt_up1e-3": ("fedtt", {"adapter": {"tt_up_init_scale": 1e-3}}),  # near-identity start: see fedtt.md
     "bitfit": ("bitfit", {}),
 }
 
@@ -118,9 +119,10 @@ def dp_config(args: argparse.Namespace, method: str, epsilon: float | None, clip
     recipe, overrides = DP_METHODS[method]
     base = base_config(args, run_dir, args.dp_clients, args.dp_rounds, args.dp_train_examples, args.dp_local_steps,
                        args.dp_batch_size)
-    base = merge(merge({**base, "method": recipe}, overrides), {"client": {"lr": args.dp_lr}})
+    base = {**base, "method": recipe}
     if recipe != "lora":
-        base.pop("adapter")  # the recipe's own adapter
+        base.pop("adapter")  # the recipe's own adapter, with the method's overrides on top
+    base = merge(merge(base, overrides), {"client": {"lr": args.dp_lr}})
     if epsilon is not None:
         base["client"]["dp"] = {"epsilon": epsilon, "delta": args.delta, "clip_norm": clip}
     return base
