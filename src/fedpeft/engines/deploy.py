@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,7 +252,11 @@ class LocalDeployment:
         self.work_dir = Path(self.work_dir).resolve()
         self.home = self.work_dir / "flwr-home"
         self.env = flower_env(self.home)
-        self.env["RAY_TMPDIR"] = str(self.work_dir / "ray")
+        # Ray puts AF_UNIX sockets under RAY_TMPDIR, whose paths may not exceed 107 bytes: a short
+        # folder of its own, not one under a possibly deep work dir
+        self.ray_dir = Path(tempfile.mkdtemp(prefix="fedpeft-ray-")) if self.simulation else None
+        if self.ray_dir is not None:
+            self.env["RAY_TMPDIR"] = str(self.ray_dir)
         self.port = free_port()
         self.certs: Certificates | None = None
 
@@ -294,7 +299,6 @@ class LocalDeployment:
             superlink.append("--enable-supernode-auth")
         if self.simulation:
             superlink += ["--simulation", "--isolation", "subprocess"]
-            (self.work_dir / "ray").mkdir(exist_ok=True)
         wait_for_port(self.port, 120, self._spawn("superlink", superlink))
         connection: dict[str, object] = {"address": f"127.0.0.1:{self.port}"}
         if self.certs is None:
@@ -359,3 +363,5 @@ class LocalDeployment:
         for log in self.logs:
             log.close()
         self.logs.clear()
+        if self.ray_dir is not None:
+            shutil.rmtree(self.ray_dir, ignore_errors=True)
