@@ -132,16 +132,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     papers = [h.paper for h in HEADLINES if any(r["paper"] == h.paper for r in rows)]
-    fig, axes = plt.subplots(1, len(papers), figsize=(4.2 * len(papers), 3.8), squeeze=False)
-    for ax, paper in zip(axes[0], papers):
+    columns = min(len(papers), 3)
+    lines = -(-len(papers) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
+    for ax in axes.flat[len(papers):]:
+        ax.set_visible(False)
+    for ax, paper in zip(axes.flat, papers):
         for r in (r for r in rows if r["paper"] == paper):
             point = (r["uplink_bytes_per_client_round"] / 1e3, r["best_metric"])
             ax.scatter(*point, s=28)
             ax.annotate(f"{r['method']}\n({r['task']}, {r['partition'][:12]})", point, fontsize=6, xytext=(3, 3),
                         textcoords="offset points")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(paper)
         ax.set_xlabel("uplink per client and round (KB, log)")
         ax.set_ylabel("best accuracy")
