@@ -42,6 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from common import first_round_at, run_child
+from fedpeft.config import deep_merge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -72,13 +75,6 @@ TASKS: dict[str, dict[str, Any]] = {
 }
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def experiment(task: str, partition: str, method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     recipe, overrides = METHODS[method]
     lr = args.full_lr if recipe == "full" else args.lr
@@ -95,20 +91,7 @@ def experiment(task: str, partition: str, method: str, args: argparse.Namespace,
         "evaluation": {"every": args.eval_every, "at_start": True},
         "output": {"run_dir": str(run_dir), "progress": False},
     }
-    return merge(raw, overrides)
-
-
-def run_child(config_path: Path) -> None:
-    """Run (or resume) one experiment in this process."""
-    from fedpeft.config import build_config
-    from fedpeft.engines.local import LocalEngine
-    from fedpeft.experiment import prepare
-
-    raw = json.loads(config_path.read_text())
-    run_dir = Path(raw["output"]["run_dir"])
-    resume = (run_dir / "checkpoint.pt").exists()
-    exp = prepare(build_config(raw))
-    LocalEngine(exp, run_dir).run(resume=resume)
+    return deep_merge(raw, overrides)
 
 
 def finished(run_dir: Path, rounds: int) -> bool:
@@ -149,13 +132,6 @@ def failure_reasons(jobs: list[tuple[str, str, str]], args: argparse.Namespace) 
 
 
 # --- results ---------------------------------------------------------------------------------------
-
-def first_round_at(records: list[dict[str, Any]], metric: str, target: float) -> dict[str, Any] | None:
-    for record in records:
-        if record["round"] > 0 and record["eval"].get(metric, -1.0) >= target:
-            return record
-    return None
-
 
 def variation_curves(records: list[dict[str, Any]]) -> dict[str, list[float | None]]:
     keys = ("magnitude_variation_A", "magnitude_variation_B", "direction_variation_A", "direction_variation_B")

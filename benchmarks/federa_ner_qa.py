@@ -48,7 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from federa import finished, first_round_at, fmt, machine, merge, reproducing_arguments, run_child
+from common import first_round_at, run_child
+from federa import finished, fmt, machine, reproducing_arguments
+from fedpeft.config import deep_merge
 
 TARGET_FRACTION = 0.9
 
@@ -98,7 +100,7 @@ def experiment(task: str, method: str, args: argparse.Namespace, run_dir: Path) 
         "output": {"run_dir": str(run_dir), "progress": False},
         **task_settings(task, args),
     }
-    return merge(raw, overrides)
+    return deep_merge(raw, overrides)
 
 
 def run_dir_of(task: str, method: str, args: argparse.Namespace) -> Path:

@@ -48,6 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from common import run_child
+from fedpeft.config import deep_merge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,13 +77,6 @@ TASKS: dict[str, dict[str, Any]] = {
 }
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def experiment(task: str, method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     recipe, overrides = METHODS[method]
     raw = {
@@ -95,18 +91,7 @@ def experiment(task: str, method: str, args: argparse.Namespace, run_dir: Path) 
         "evaluation": {"every": args.eval_every, "at_start": True},
         "output": {"run_dir": str(run_dir), "progress": False, "checkpoint_every": 1},
     }
-    return merge(raw, overrides)
-
-
-def run_child(config_path: Path) -> None:
-    from fedpeft.config import build_config
-    from fedpeft.engines.local import LocalEngine
-    from fedpeft.experiment import prepare
-
-    raw = json.loads(config_path.read_text())
-    run_dir = Path(raw["output"]["run_dir"])
-    resume = (run_dir / "checkpoint.pt").exists()
-    LocalEngine(prepare(build_config(raw)), run_dir).run(resume=resume)
+    return deep_merge(raw, overrides)
 
 
 def run_name(task: str, method: str, seed: int) -> str:

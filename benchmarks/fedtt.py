@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedpeft.config import deep_merge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -67,13 +69,6 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "fedtt_up1e-3": ("fedtt", {"adapter": {"tt_up_init_scale": 1e-3}}),
     "fedtt_plus_up1e-3": ("fedtt_plus", {"adapter": {"tt_up_init_scale": 1e-3}}),
 }
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def partition_config(task: str, partition: str) -> dict[str, Any]:
@@ -99,7 +94,7 @@ def experiment(args: argparse.Namespace, task: str, partition: str, name: str, r
         "evaluation": {"every": 1, "at_start": False, "batch_size": 64},
         "output": {"run_dir": str(run_dir), "progress": False},
     }
-    return merge(base, overrides)
+    return deep_merge(base, overrides)
 
 
 def available(name: str) -> bool:

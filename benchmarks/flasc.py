@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedpeft.config import deep_merge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,13 +57,6 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def experiment(args: argparse.Namespace, name: str, run_dir: Path) -> dict[str, Any]:
     recipe, overrides = METHODS[name]
     base = {
@@ -84,8 +79,8 @@ def experiment(args: argparse.Namespace, name: str, run_dir: Path) -> dict[str, 
         "output": {"run_dir": str(run_dir), "progress": False},
     }
     if recipe != "lora":
-        base = merge(base, FLASC_COMMON)
-    return merge(base, overrides)
+        base = deep_merge(base, FLASC_COMMON)
+    return deep_merge(base, overrides)
 
 
 def run_method(args: argparse.Namespace, name: str) -> tuple[list[dict[str, Any]], float]:

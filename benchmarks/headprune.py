@@ -47,6 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from common import first_round_at, run_child
+from fedpeft.config import deep_merge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -89,13 +92,6 @@ def jobs_for(parts: list[str]) -> list[tuple[str, str, str]]:
     return list(dict.fromkeys(jobs))
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def experiment(task: str, setting: str, method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     recipe, strategy = METHODS[method]
     clients, per_round = SETTINGS[setting]
@@ -113,7 +109,7 @@ def experiment(task: str, setting: str, method: str, args: argparse.Namespace, r
         "output": {"run_dir": str(run_dir), "progress": False},
     }
     if task == "e2e_nlg":  # a tiny random T5: quality is not the point, the generation path is
-        raw = merge(raw, {
+        raw = deep_merge(raw, {
             "rounds": args.e2e_rounds,
             "model": {"name": "tiny-t5", "tiny_hidden_size": 64, "tiny_layers": 2, "tiny_heads": 4},
             "client": {"lr": 0.01},
@@ -121,19 +117,6 @@ def experiment(task: str, setting: str, method: str, args: argparse.Namespace, r
             "evaluation": {"every": args.e2e_rounds // 2, "max_new_tokens": 32, "num_beams": 1, "batch_size": 20},
         })
     return raw
-
-
-def run_child(config_path: Path) -> None:
-    """Run (or resume) one experiment in this process."""
-    from fedpeft.config import build_config
-    from fedpeft.engines.local import LocalEngine
-    from fedpeft.experiment import prepare
-
-    raw = json.loads(config_path.read_text())
-    run_dir = Path(raw["output"]["run_dir"])
-    resume = (run_dir / "checkpoint.pt").exists()
-    exp = prepare(build_config(raw))
-    LocalEngine(exp, run_dir).run(resume=resume)
 
 
 def run_dir_of(job: tuple[str, str, str], args: argparse.Namespace) -> Path:
@@ -198,10 +181,6 @@ def sweep_flops(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # --- results ---------------------------------------------------------------------------------------
-
-def first_round_at(records: list[dict[str, Any]], metric: str, target: float) -> dict[str, Any] | None:
-    return next((r for r in records if r["round"] > 0 and r["eval"].get(metric, -1.0) >= target), None)
-
 
 def build_rows(jobs: list[tuple[str, str, str]], args: argparse.Namespace) -> list[dict[str, Any]]:
     from fedpeft.metrics.recorder import load_metrics

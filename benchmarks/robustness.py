@@ -45,6 +45,8 @@ from typing import Any
 
 import yaml
 
+from fedpeft.config import deep_merge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -81,13 +83,6 @@ DP_METHODS = {
 }
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def base_config(args: argparse.Namespace, run_dir: Path, clients: int, rounds: int, train: int, local_steps: int,
                 batch_size: int) -> dict[str, Any]:
     return {
@@ -111,7 +106,7 @@ def base_config(args: argparse.Namespace, run_dir: Path, clients: int, rounds: i
 def fault_config(args: argparse.Namespace, name: str, run_dir: Path) -> dict[str, Any]:
     base = base_config(args, run_dir, args.clients, args.rounds, args.train_examples, args.local_steps,
                        args.batch_size)
-    return merge(base, FAULTS[name][1])
+    return deep_merge(base, FAULTS[name][1])
 
 
 def dp_config(args: argparse.Namespace, method: str, epsilon: float | None, clip: float, run_dir: Path
@@ -122,7 +117,7 @@ def dp_config(args: argparse.Namespace, method: str, epsilon: float | None, clip
     base = {**base, "method": recipe}
     if recipe != "lora":
         base.pop("adapter")  # the recipe's own adapter, with the method's overrides on top
-    base = merge(merge(base, overrides), {"client": {"lr": args.dp_lr}})
+    base = deep_merge(deep_merge(base, overrides), {"client": {"lr": args.dp_lr}})
     if epsilon is not None:
         base["client"]["dp"] = {"epsilon": epsilon, "delta": args.delta, "clip_norm": clip}
     return base

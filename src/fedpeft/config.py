@@ -349,11 +349,13 @@ class ExperimentConfig(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` layered on ``base``: nested dicts merge key by key, anything else replaces; both
+    inputs stay untouched."""
     merged = copy.deepcopy(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged
@@ -416,7 +418,7 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError("method", f"unknown method {method!r}; allowed: {', '.join(sorted(RECIPES))}")
     from fedpeft.data.presets import preset_sections
 
-    merged = _deep_merge(_deep_merge(RECIPES[method].defaults, preset_sections(raw)), raw)
+    merged = deep_merge(deep_merge(RECIPES[method].defaults, preset_sections(raw)), raw)
     merged["method"] = method
     try:
         return ExperimentConfig.model_validate(merged)
