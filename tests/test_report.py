@@ -36,7 +36,15 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def test_run_row_fields_and_targets(two_runs: list[Path]) -> None:
     run = load_run(two_runs[0])
     row = run_row(run, target=0.0)
-    assert row["rounds"] == 3 and row["method"] == "lora" and row["rounds_to_target"] == 0
+    # a target the untrained model already meets credits no round (it says nothing about learning)
+    assert row["rounds"] == 3 and row["method"] == "lora" and row["rounds_to_target"] is None
+    assert row["target_below_start"] and row["eval_examples"] == 64
+    start, best = row["start_metric"], row["best_metric"]
+    assert best > start
+    reached = run_row(run, target=best)
+    assert reached["rounds_to_target"] >= 1 and not reached["target_below_start"]
+    low, high = reached["final_metric_ci"]
+    assert low < reached["final_metric"] < high and reached["interval"] == "binomial"
     unreachable = run_row(run, target=1.01)
     assert unreachable["rounds_to_target"] is None and unreachable["bytes_to_target"] is None
     records = run.records

@@ -90,13 +90,21 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     from fedpeft.data.partition import describe_partition, format_partition_table
     from fedpeft.experiment import load_data
 
-    raw = {"task": {"name": args.task}, "partition": {"kind": args.partition, "num_clients": args.num_clients}}
-    if args.alpha is not None:
-        raw["partition"]["alpha"] = args.alpha
-    cfg = build_config(apply_overrides(raw, args.overrides))
+    if Path(args.task).suffix in (".yaml", ".yml") or Path(args.task).is_file():
+        cfg = load_config(args.task, args.overrides)  # the exact partition a run of this config uses
+    else:
+        raw = {"task": {"name": args.task}, "partition": {"kind": args.partition, "num_clients": args.num_clients}}
+        if args.alpha is not None:
+            raw["partition"]["alpha"] = args.alpha
+        cfg = build_config(apply_overrides(raw, args.overrides))
     task, shards = load_data(cfg, args.data_dir)
-    console.print(f"[bold]{task.name}[/]: {len(task.train)} train / {len(task.eval)} eval, "
+    held = f" / {len(task.validation)} validation" if task.validation else ""
+    console.print(f"[bold]{task.name}[/]: {len(task.train)} train / {len(task.eval)} eval{held}, "
                   f"{task.problem_type}, labels {list(task.label_names)}, metrics {list(task.metrics)}")
+    partition = cfg.partition
+    skew = f", alpha {partition.alpha}" if partition.kind in ("dirichlet", "quantity_skew") else ""
+    console.print(f"partition {partition.kind}{skew}: {partition.num_clients} clients, "
+                  f"{cfg.clients_per_round()} per round, seed {partition.seed if partition.seed is not None else cfg.seed}")
     if task.class_names != task.label_names:
         console.print(f"{len(task.class_names)} partition classes (FeDeRA App. A.2): {list(task.class_names)[:8]} ...")
     rows = describe_partition(shards, [ex.label for ex in task.train], task.class_names)
@@ -106,7 +114,7 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
 
 def _compare(run_dirs: list[str], out: str | None, target: float | None, bandwidth: str | None,
              console: Console, title: str) -> Path:
-    from fedpeft.metrics.compare import Bandwidth, aggregate_seeds, default_target, load_run, run_row
+    from fedpeft.metrics.compare import Bandwidth, aggregate_seeds, default_target, load_run, mark_noise, run_row
     from fedpeft.metrics.report import TABLE_COLUMNS, build_report, table_rows
 
     runs = [load_run(d) for d in run_dirs]
@@ -115,9 +123,12 @@ def _compare(run_dirs: list[str], out: str | None, target: float | None, bandwid
     rows = [run_row(run, goal, link) for run in runs]
     if len({r["seed"] for r in rows}) > 1:
         rows = aggregate_seeds(rows)
+    mark_noise(rows)
     out_dir = Path(out) if out else (Path(run_dirs[0]) if len(run_dirs) == 1 else Path("runs/compare"))
     notes = [f"target {runs[0].metric} = {goal:.4f}" + (" (95% of the best run's best)" if target is None else "")
-             if goal is not None else "no target", "bytes: lengths of the serialized messages; "
+             if goal is not None else "no target",
+             "best/final: mean ± std over seeds [95% interval: t over seeds; one seed: binomial from the eval "
+             "size]; 'within noise' = its final interval overlaps the best run's", "bytes: lengths of the serialized messages; "
              "time: " + (f"simulated at {bandwidth} Mbps down/up plus measured client compute" if link
                          else "the runs' simulated time when they had a network model, else wall clock")]
     path = build_report(runs, rows, out_dir, title, link, notes)
@@ -280,12 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     recipes.set_defaults(func=cmd_recipes)
 
     data = sub.add_parser("data", help="show a task and its partition",
-                          description="Load a task and print per-client sizes and label histograms")
-    data.add_argument("task", help="built-in task name (sst2, mnli, 20newsgroups, ...) or 'file'")
-    data.add_argument("--partition", default="iid",
-                      choices=["iid", "dirichlet", "quantity_skew", "label_proportions", "natural"])
-    data.add_argument("--num-clients", type=int, default=10)
-    data.add_argument("--alpha", type=float, help="Dirichlet concentration")
+                          description="Load a task and print per-client sizes and label histograms; given an "
+                                      "experiment YAML, the exact partition its run will use")
+    data.add_argument("task", metavar="TASK_OR_CONFIG",
+                      help="an experiment YAML, or a built-in task name (sst2, mnli, 20newsgroups, ...) or 'file'")
+    data.add_argument("--partition", default="iid", help="with a task name: the partition kind",
+                      choices=["iid", "dirichlet", "quantity_skew", "label_proportions", "natural", "centralized"])
+    data.add_argument("--num-clients", type=int, default=10, help="with a task name: clients")
+    data.add_argument("--alpha", type=float, help="with a task name: Dirichlet concentration")
     _add_config_args(data)
     data.set_defaults(func=cmd_data)
 

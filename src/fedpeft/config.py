@@ -76,13 +76,34 @@ class TaskConfig(_Strict):
     label_all_subtokens: bool = False
     token_class_by: Literal["tags", "entity_types"] = "tags"
     doc_stride: PositiveInt = 128
+    # a validation split for tuning, never used for reporting (see fedpeft.data.validation)
+    validation_fraction: float | None = None
+    validation_file: str | None = None
+
+    @field_validator("validation_fraction")
+    @classmethod
+    def _fraction_inside(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value < 1:
+            raise ValueError(f"must lie strictly between 0 and 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_validation_source(self) -> TaskConfig:
+        if self.validation_fraction is not None and self.validation_file is not None:
+            raise ConfigError("task.validation_file", "set task.validation_fraction or task.validation_file, not both")
+        return self
 
 
 class PartitionConfig(_Strict):
     """How the training set is split across clients (deterministic for ``seed``). ``preset`` names
-    a paper's setting (:mod:`fedpeft.data.presets`) whose values sit under the user's own."""
+    a paper's setting (:mod:`fedpeft.data.presets`) whose values sit under the user's own.
 
-    kind: Literal["iid", "dirichlet", "quantity_skew", "label_proportions", "natural"] = "iid"
+    ``centralized`` is the non-federated reference (the ceiling every federated number is read
+    against): one client holds all the training data and trains one local epoch per round, with
+    the same recipe and model (:meth:`ExperimentConfig._centralized` sets the participation).
+    """
+
+    kind: Literal["iid", "dirichlet", "quantity_skew", "label_proportions", "natural", "centralized"] = "iid"
     num_clients: PositiveInt = 10
     alpha: PositiveFloat = 0.5
     label_proportions: list[list[float]] | None = None
@@ -256,6 +277,9 @@ class EvaluationConfig(_Strict):
     bio_decoding: Literal["argmax", "constrained"] = "argmax"
     per_client: bool = False
     at_start: bool = False
+    # which splits are scored each evaluated round: the eval split (reported) and, when the task has
+    # one, the validation split (for tuning); `fedpeft tune` scores the validation split only
+    splits: list[Literal["eval", "validation"]] = Field(default_factory=lambda: ["eval", "validation"], min_length=1)
 
 
 class OutputConfig(_Strict):
@@ -285,9 +309,15 @@ class FaultConfig(_Strict):
 
 
 class ExperimentConfig(_Strict):
-    """A whole experiment. ``method`` picks a recipe; ``rounds`` federated rounds from ``seed``."""
+    """A whole experiment. ``method`` picks a recipe; ``rounds`` federated rounds from ``seed``.
+
+    ``paper_defaults: true`` layers the recipe's ``paper_values`` (the paper's settings for its
+    runs of hundreds of rounds, where they differ from the recipe's defaults that learn in short
+    runs) over its defaults, still under the user's own values.
+    """
 
     method: str = "lora"
+    paper_defaults: bool = False
     seed: int = 0
     rounds: PositiveInt = 10
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -312,6 +342,22 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"unknown method {value!r}; allowed: {', '.join(sorted(RECIPES))}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _centralized(cls, data: Any) -> Any:
+        """``partition.kind: centralized``: one client with all the data, trained every round for one
+        local epoch (whatever the recipe's participation and local steps say)."""
+        partition = data.get("partition") if isinstance(data, dict) else None
+        if not isinstance(partition, dict) or partition.get("kind") != "centralized":
+            return data
+        data = copy.deepcopy(data)
+        data["partition"]["num_clients"] = 1
+        strategy = data.setdefault("strategy", {})
+        strategy.pop("fraction", None)
+        strategy.update(clients_per_round=1, min_clients=1)
+        data.setdefault("client", {}).update(local_epochs=1, local_steps=None)
+        return data
+
     @model_validator(mode="after")
     def _participation(self) -> ExperimentConfig:
         if self.strategy.clients_per_round is not None and self.strategy.fraction is not None:
@@ -323,6 +369,14 @@ class ExperimentConfig(_Strict):
             )
         if self.strategy.min_clients > k:
             raise ConfigError("strategy.min_clients", f"{self.strategy.min_clients} exceeds the {k} sampled per round")
+        return self
+
+    @model_validator(mode="after")
+    def _validation_source(self) -> ExperimentConfig:
+        if self.evaluation.splits == ["validation"] and self.task.validation_fraction is None \
+                and self.task.validation_file is None:
+            raise ConfigError("evaluation.splits", "scoring only the validation split needs one: set "
+                              "task.validation_fraction or task.validation_file")
         return self
 
     @model_validator(mode="after")
@@ -418,7 +472,9 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError("method", f"unknown method {method!r}; allowed: {', '.join(sorted(RECIPES))}")
     from fedpeft.data.presets import preset_sections
 
-    merged = deep_merge(deep_merge(RECIPES[method].defaults, preset_sections(raw)), raw)
+    recipe = RECIPES[method]
+    defaults = deep_merge(recipe.defaults, recipe.paper_values) if raw.get("paper_defaults") else recipe.defaults
+    merged = deep_merge(deep_merge(defaults, preset_sections(raw)), raw)
     merged["method"] = method
     try:
         return ExperimentConfig.model_validate(merged)

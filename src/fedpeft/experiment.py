@@ -20,7 +20,7 @@ from fedpeft.adapters.base import build_adapter, trainable_names
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.data.partition import partition_indices
 from fedpeft.data.tasks import load_task, resolve_data_dir, task_names
-from fedpeft.data.types import TaskData
+from fedpeft.data.types import Example, TaskData
 from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
 from fedpeft.federated.client import ModelSlot
 from fedpeft.federated.codec import Codec, build_codec
@@ -47,7 +47,8 @@ from fedpeft.recipes import RECIPES
 class Experiment:
     """A prepared run. ``shards`` are the partition (example indices per client); ``train_rows``
     the rows of ``train_data`` each client trains on (the same indices, except for QA, whose long
-    contexts give several windows per example)."""
+    contexts give several windows per example). ``validation_data`` is the tuning split (None when
+    the task has none)."""
 
     cfg: ExperimentConfig
     task: TaskData
@@ -62,6 +63,7 @@ class Experiment:
     up_codec: Codec
     initial_state: State
     privacy: PrivacyLedger | None = None
+    validation_data: EncodedData | None = None
 
     @property
     def trainable_params(self) -> int:
@@ -97,14 +99,16 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     build_adapter(cfg.adapter).apply(backbone)
     slot = ModelSlot(backbone.model, trainable_names(backbone.model))
     spans = SpanSettings.from_config(cfg)
-    train_data = encode_examples(task.train, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
-                                 template=backbone.template, spans=spans)
-    eval_data = encode_examples(task.eval, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
-                                template=backbone.template, spans=spans)
-    for data in (train_data, eval_data):
+    def encode(examples: Sequence[Example]) -> EncodedData:
+        data = encode_examples(examples, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
+                               template=backbone.template, spans=spans)
         if data.generation is not None:
             data.generation = GenerationSettings(backbone.tokenizer, cfg.evaluation.max_new_tokens,
                                                  cfg.evaluation.num_beams)
+        return data
+
+    train_data, eval_data = encode(task.train), encode(task.eval)
+    validation_data = encode(task.validation) if task.validation else None
     train_rows = [train_data.rows_of(shard) for shard in shards]
     ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=train_rows, train_data=train_data)
     algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
@@ -116,7 +120,8 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
         privacy.check()
     return Experiment(
         cfg=cfg, task=task, shards=shards, train_rows=train_rows, backbone=backbone, slot=slot, train_data=train_data,
-        eval_data=eval_data, algorithm=algorithm, down_codec=build_codec(cfg.codec.down, "down"),
+        eval_data=eval_data, validation_data=validation_data, algorithm=algorithm,
+        down_codec=build_codec(cfg.codec.down, "down"),
         up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state, privacy=privacy,
     )
 
@@ -151,6 +156,18 @@ def evaluate(slot: ModelSlot, data: EncodedData, task: TaskData, state: State, b
     predictions = torch.cat(preds).numpy()
     references = np.asarray([data.labels[i] for i in order])
     return compute_metrics(task.metrics, predictions, references)
+
+
+def evaluate_splits(exp: Experiment, state: State) -> dict[str, dict[str, float]]:
+    """The metrics of ``state`` on each split ``evaluation.splits`` names that the task has:
+    ``{"eval": ..., "validation": ...}`` (the validation split only when there is one)."""
+    batch_size = exp.cfg.evaluation.batch_size
+    out: dict[str, dict[str, float]] = {}
+    if "eval" in exp.cfg.evaluation.splits:
+        out["eval"] = evaluate(exp.slot, exp.eval_data, exp.task, state, batch_size)
+    if "validation" in exp.cfg.evaluation.splits and exp.validation_data is not None:
+        out["validation"] = evaluate(exp.slot, exp.validation_data, exp.task, state, batch_size)
+    return out
 
 
 def default_run_dir(cfg: ExperimentConfig) -> Path:

@@ -8,7 +8,8 @@ of :class:`~fedpeft.config.PartitionConfig`:
   (Hsu et al. 2019, as implemented in FedML / NIID-Bench);
 - ``quantity_skew``: client sizes ~ Dirichlet(alpha), labels iid;
 - ``label_proportions``: each client's label distribution given row by row (FedTT App. B);
-- ``natural``: a group per example names its client.
+- ``natural``: a group per example names its client;
+- ``centralized``: one client holds everything (the non-federated reference).
 
 The "label" of an example is its class: for token classification (NER) the set of tags it holds,
 for extractive QA its article title (FeDeRA App. A.2; assigned by
@@ -79,6 +80,8 @@ def partition_indices(
         shards = label_proportion_shards(labels, cfg, rng)
     elif cfg.kind == "natural":
         shards = natural_shards(groups, cfg.num_clients)
+    elif cfg.kind == "centralized":
+        shards = [np.arange(num_examples)]
     else:  # unreachable through PartitionConfig validation; kept for direct callers
         raise ConfigError("partition.kind", f"unknown kind {cfg.kind!r}")
     _check_minimum(shards, cfg)

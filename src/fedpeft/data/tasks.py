@@ -35,6 +35,7 @@ from fedpeft.config import ConfigError, TaskConfig
 from fedpeft.data.conll import Sentence, read_conll, sentence_class, tag_ids, tag_set
 from fedpeft.data.squad import check_no_overlap, read_squad, split_by_title
 from fedpeft.data.types import SPAN_PROBLEMS, Example, ProblemType, TaskData
+from fedpeft.data.validation import split_validation
 from fedpeft.metrics.entity import ENTITY_METRICS
 from fedpeft.metrics.rouge import ROUGE_METRICS
 from fedpeft.metrics.squad import SQUAD_METRICS
@@ -902,10 +903,11 @@ def with_example_classes(task: TaskData, token_class_by: str = "tags") -> TaskDa
     else:
         def key(example: Example) -> str:
             return example.group or ""
-    names = sorted({key(example) for example in task.train + task.eval}, key=lambda name: (name != "O", name))
+    splits = (task.train, task.eval, task.validation)
+    names = sorted({key(example) for split in splits for example in split}, key=lambda name: (name != "O", name))
     ids = {name: index for index, name in enumerate(names)}
-    task.train = [replace(example, label=ids[key(example)]) for example in task.train]
-    task.eval = [replace(example, label=ids[key(example)]) for example in task.eval]
+    task.train, task.eval, task.validation = ([replace(example, label=ids[key(example)]) for example in split]
+                                              for split in splits)
     task.example_classes = tuple(names)
     return task
 
@@ -1135,7 +1137,8 @@ def build_label_set(
     - ``label_map``: raw label -> class id; ids must be exactly ``0..K-1`` (several raw values
       may share an id). Names are ``label_names`` if given, else the first key of each id.
     - ``label_names``: a raw label matches a name by its string form; if the training labels
-      are all integers ``0..K-1`` instead, they are taken as ids into ``label_names``.
+      are all integers ``0..K-1`` instead, they are taken as ids into ``label_names``, and if
+      they are integers ``1..K`` (K among them), as 1-based ids.
     - neither: the sorted unique training labels (numerically when all are numbers) are the
       classes ``0..K-1``, so ints starting at 1, booleans and strings all work.
     """
@@ -1178,18 +1181,20 @@ def _label_set_from_names(names: tuple[str, ...], raw_train: Sequence[Any]) -> L
     keys = {label_key(value) for value in raw_train}
     if keys <= by_name.keys():
         return LabelSet("classification", names, by_name)
+    integers = all(isinstance(value, int) and not isinstance(value, bool) for value in raw_train)
     by_id = {str(index): index for index in range(len(names))}
-    if (
-        all(isinstance(value, int) and not isinstance(value, bool) for value in raw_train)
-        and keys <= by_id.keys()
-    ):
+    if integers and keys <= by_id.keys():
         return LabelSet("classification", names, by_id)
+    # ids 1..K (as many datasets number their classes): the K-th name is only reachable 1-based
+    by_one_based_id = {str(index + 1): index for index in range(len(names))}
+    if integers and keys <= by_one_based_id.keys():
+        return LabelSet("classification", names, by_one_based_id)
     unknown = sorted(keys - by_name.keys(), key=_label_sort_key)[0]
     allowed = ", ".join(repr(name) for name in names)
     raise ConfigError(
         "task.label_names",
         f"training label {unknown!r} is not in the label set; "
-        f"allowed: {allowed} (or ids 0..{len(names) - 1})",
+        f"allowed: {allowed} (or ids 0..{len(names) - 1} or 1..{len(names)})",
     )
 
 
@@ -1300,17 +1305,28 @@ def load_task(cfg: TaskConfig, data_dir: Path | None = None) -> TaskData:
     ``data_dir`` (e.g. the CLI's ``--data-dir``) wins over ``task.data_dir``; built-in tasks
     need a data folder, user files only for relative paths.
     """
-    if cfg.name == "file":
-        task = _load_file_task(cfg, data_dir)
-    elif cfg.name == "hf":
-        task = _load_hf_task(cfg)
-    elif cfg.name in BUILTIN_TASKS:
-        folder = data_dir if data_dir is not None else resolve_data_dir(cfg.data_dir)
-        task = _load_builtin(BUILTIN_TASKS[cfg.name], cfg, folder)
-    else:
-        raise ConfigError("task.name", f"unknown task {cfg.name!r}; allowed: {', '.join(task_names())}")
+    task = _load_splits(cfg, data_dir)
+    if cfg.validation_file is not None:
+        if cfg.name != "file":
+            raise ConfigError("task.validation_file", "only with task.name 'file'; a built-in or hf task takes "
+                              "task.validation_fraction")
+        # the validation file is read exactly as an eval file would be, against the training file's label set
+        task.validation = _load_splits(cfg.model_copy(update={"eval_file": cfg.validation_file}), data_dir).eval
     if task.problem_type in SPAN_PROBLEMS:
         task = with_example_classes(task, cfg.token_class_by)
     task.train = subsample(task.train, cfg.max_train_examples)
     task.eval = subsample(task.eval, cfg.max_eval_examples)
+    if cfg.validation_fraction is not None:
+        task.train, task.validation = split_validation(task.train, cfg.validation_fraction)
     return task
+
+
+def _load_splits(cfg: TaskConfig, data_dir: Path | None) -> TaskData:
+    if cfg.name == "file":
+        return _load_file_task(cfg, data_dir)
+    if cfg.name == "hf":
+        return _load_hf_task(cfg)
+    if cfg.name in BUILTIN_TASKS:
+        folder = data_dir if data_dir is not None else resolve_data_dir(cfg.data_dir)
+        return _load_builtin(BUILTIN_TASKS[cfg.name], cfg, folder)
+    raise ConfigError("task.name", f"unknown task {cfg.name!r}; allowed: {', '.join(task_names())}")

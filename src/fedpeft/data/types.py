@@ -48,7 +48,8 @@ class TaskData:
 
     ``label_names`` are the head's classes (the tags for token classification, empty for QA);
     ``example_classes`` names the values of ``Example.label`` when those are not head outputs
-    (token classification and QA, see :class:`Example`).
+    (token classification and QA, see :class:`Example`). ``validation`` is the split carved out
+    of the training data (or read from ``task.validation_file``) for tuning; empty when none.
     """
 
     name: str
@@ -58,6 +59,7 @@ class TaskData:
     train: list[Example] = field(default_factory=list)
     eval: list[Example] = field(default_factory=list)
     example_classes: tuple[str, ...] = ()
+    validation: list[Example] = field(default_factory=list)
 
     @property
     def num_labels(self) -> int:

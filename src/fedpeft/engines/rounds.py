@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedpeft.data.partition import describe_partition
 from fedpeft.engines.protocol import ClientFailure, Transport, WireReply, WireTask
-from fedpeft.experiment import Experiment, evaluate
+from fedpeft.experiment import Experiment, evaluate, evaluate_splits
 from fedpeft.federated.codec import CodecError
 from fedpeft.federated.privacy import privacy_record
 from fedpeft.federated.timing import client_round_seconds, simulate_round
@@ -50,6 +50,16 @@ class ClientRun:
     compute_seconds: float
     step_seconds: float
     flops_per_step: int | None
+
+
+def split_sizes(exp: Experiment, scored: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The validation metrics (when scored) and how many examples each scored split holds: every
+    interval over a metric needs its sample size."""
+    sizes = {"eval": len(exp.task.eval), "validation": len(exp.task.validation)}
+    out: dict[str, Any] = {f"{split}_examples": sizes[split] for split in scored}
+    if "validation" in scored:
+        out["validation"] = scored["validation"]
+    return out
 
 
 def partition_summary(exp: Experiment) -> dict[str, Any]:
@@ -177,10 +187,11 @@ class RoundEngine:
         new_state = exp.algorithm.aggregate(round_idx, global_state, results)
         aggregation_seconds = time.perf_counter() - t0
 
-        eval_metrics: dict[str, float] = {}
+        scored: dict[str, dict[str, float]] = {}
         t0 = time.perf_counter()
         if round_idx % cfg.evaluation.every == 0 or round_idx == cfg.rounds:
-            eval_metrics = evaluate(exp.slot, exp.eval_data, exp.task, new_state, cfg.evaluation.batch_size)
+            scored = evaluate_splits(exp, new_state)
+        eval_metrics = scored.get("eval", {})
         client_eval = {}
         if cfg.evaluation.per_client:
             measured = self.transport.evaluate_clients(round_idx, new_state, clients)
@@ -213,6 +224,7 @@ class RoundEngine:
             },
             "method": exp.algorithm.round_metrics(round_idx, new_state),
         }
+        record.update(split_sizes(exp, scored))
         if client_eval:
             record["client_eval"] = client_eval
         if failures:
@@ -233,10 +245,11 @@ class RoundEngine:
         """Round 0: the global model before any training (no clients, no bytes)."""
         exp = self.exp
         t0 = time.perf_counter()
-        metrics = evaluate(exp.slot, exp.eval_data, exp.task, state, exp.cfg.evaluation.batch_size)
+        scored = evaluate_splits(exp, state)
         seconds = time.perf_counter() - t0
         return {
-            "round": 0, "clients": [], "num_samples": [], "train_loss": None, "client_losses": [], "eval": metrics,
+            "round": 0, "clients": [], "num_samples": [], "train_loss": None, "client_losses": [],
+            "eval": scored.get("eval", {}), **split_sizes(exp, scored),
             "bytes_down": [], "bytes_up": [], "client_seconds": [], "cum_bytes_down": 0, "cum_bytes_up": 0,
             "cum_wall_seconds": 0.0,
             "trainable_params": exp.trainable_params, "client_flops_per_step": None, "method": {},

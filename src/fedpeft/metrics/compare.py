@@ -19,6 +19,10 @@ import yaml
 
 from fedpeft.config import ConfigError
 from fedpeft.metrics.recorder import CONFIG, METRICS, PARTITION, load_metrics
+from fedpeft.metrics.stats import estimate
+
+NOT_FRACTIONS = frozenset({"pearson", "spearman", "matthews"})
+"""Metrics that are not fractions of examples (so one seed's value has no binomial interval)."""
 
 
 @dataclass(frozen=True)
@@ -108,16 +112,29 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) -> dict[str, Any]:
-    """One row with the SPEC's benchmark fields for ``run`` (targets null when never reached)."""
+    """One row with the SPEC's benchmark fields for ``run`` (targets null when never reached).
+
+    A target at or below the untrained model's value (round 0, when it was evaluated) credits no
+    round: reaching it says nothing about learning (``target_below_start`` is then true). The
+    best and final values carry a 95% interval from the evaluation set's size (one seed; see
+    :mod:`fedpeft.metrics.stats`).
+    """
     metric = run.metric
     curve = run.curve(metric)
     trained = run.trained
     cfg = run.config
     times, time_kind = time_axis(run, bandwidth)
     time_at = {r["round"]: t for r, t in zip(run.records, times)}
-    reached = next(((r, v) for r, v in curve if target is not None and v >= target), None)
+    start = next((v for r, v in curve if r["round"] == 0), None)
+    below_start = target is not None and start is not None and target <= start
+    reached = None if below_start else next(((r, v) for r, v in curve if target is not None and v >= target
+                                             and r["round"] > 0), None)
     last = run.records[-1]
-    return {
+    eval_examples = next((r["eval_examples"] for r in reversed(run.records) if r.get("eval_examples")), None)
+    best = max((v for _, v in curve), default=None)
+    final = curve[-1][1] if curve else None
+    fraction = metric not in NOT_FRACTIONS
+    row = {
         "run": run.name,
         "task": cfg.get("task", {}).get("name"),
         "partition": _partition_label(cfg.get("partition", {})),
@@ -127,13 +144,16 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
         "clients": cfg.get("partition", {}).get("num_clients"),
         "clients_per_round": _mean([len(r["clients"]) for r in trained]),
         "metric": metric,
-        "best_metric": max((v for _, v in curve), default=None),
-        "final_metric": curve[-1][1] if curve else None,
+        "eval_examples": eval_examples,
+        "best_metric": best,
+        "final_metric": final,
+        "start_metric": start,
         "trainable_params": last.get("trainable_params"),
         "uplink_bytes_per_client_round": _mean([b for r in trained for b in r["bytes_up"]]),
         "downlink_bytes_per_client_round": _mean([b for r in trained for b in r["bytes_down"]]),
         "total_bytes": last.get("cum_bytes_up", 0) + last.get("cum_bytes_down", 0),
         "target": target,
+        "target_below_start": below_start,
         "rounds_to_target": reached[0]["round"] if reached else None,
         "bytes_to_target": (reached[0]["cum_bytes_up"] + reached[0]["cum_bytes_down"]) if reached else None,
         "uplink_bytes_to_target": reached[0]["cum_bytes_up"] if reached else None,
@@ -142,6 +162,12 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
         "client_flops_per_step": last.get("client_flops_per_step"),
         "wall_seconds": last.get("cum_wall_seconds", sum(r["time"]["round"] for r in trained)),
     }
+    for key, value in (("best_metric", best), ("final_metric", final)):
+        if value is not None:
+            interval = estimate([value], eval_examples, fraction)
+            row[f"{key}_ci"] = [interval.low, interval.high]
+            row["interval"] = interval.kind
+    return row
 
 
 def _partition_label(partition: dict[str, Any]) -> str:
@@ -157,23 +183,57 @@ def default_target(runs: Sequence[Run], fraction: float = 0.95) -> float | None:
     return fraction * max(bests) if bests else None
 
 
+SEED_KEYS = ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target", "seconds_to_target",
+             "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "total_bytes", "wall_seconds")
+
+
 def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and standard deviation over seeds of rows that differ only in seed and run name."""
+    """One row per (task, partition, method, run name without its seed): the mean, the sample
+    standard deviation (``*_std``) and, for the best and final metric, the 95% interval
+    (``*_ci``: t over seeds, or the binomial interval of a single seed's eval size)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["task"], row["partition"], row["method"], row["run"].rsplit("_seed", 1)[0]),
                           []).append(row)
     out = []
     for (task, partition, method, name), members in groups.items():
+        metric = members[0]["metric"]
         merged: dict[str, Any] = {"run": name, "task": task, "partition": partition, "method": method,
-                                  "seeds": [m["seed"] for m in members], "metric": members[0]["metric"]}
-        for key in ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target", "seconds_to_target",
-                    "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "wall_seconds"):
-            values = [m[key] for m in members if m[key] is not None]
+                                  "seeds": [m["seed"] for m in members], "metric": metric,
+                                  "eval_examples": members[0].get("eval_examples")}
+        for key in SEED_KEYS:
+            values = [m[key] for m in members if m.get(key) is not None]
             merged[key] = _mean(values) if values else None
-            merged[f"{key}_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
-        merged["trainable_params"] = members[0]["trainable_params"]
-        merged["client_flops_per_step"] = members[0]["client_flops_per_step"]
-        merged["target"] = members[0]["target"]
+            merged[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            if key in ("best_metric", "final_metric") and values:
+                interval = estimate(values, merged["eval_examples"], metric not in NOT_FRACTIONS)
+                merged[f"{key}_ci"] = [interval.low, interval.high]
+                merged["interval"] = interval.kind
+        # a time/bytes/rounds-to-target mean over the seeds that reached it: say how many did
+        merged["seeds_reaching_target"] = sum(m.get("rounds_to_target") is not None for m in members)
+        for key in ("trainable_params", "client_flops_per_step", "target", "rounds", "clients", "clients_per_round"):
+            merged[key] = members[0].get(key)
         out.append(merged)
     return out
+
+
+def mark_noise(rows: list[dict[str, Any]], key: str = "final_metric") -> None:
+    """Compare each row with the best row of its task and partition (centralised runs are their own
+    group): ``vs_best`` is ``best``, ``within noise`` (95% intervals overlap) or the gap in points."""
+    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get(key) is not None:
+            groups.setdefault((row["task"], row["partition"]), []).append(row)
+    for members in groups.values():
+        leader = max(members, key=lambda r: r[key])
+        for row in members:
+            if row is leader:
+                row["vs_best"] = "best"
+            elif _overlap(row.get(f"{key}_ci"), leader.get(f"{key}_ci")):
+                row["vs_best"] = "within noise"
+            else:
+                row["vs_best"] = f"{100 * (row[key] - leader[key]):+.1f} pts"
+
+
+def _overlap(a: Sequence[float] | None, b: Sequence[float] | None) -> bool:
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]

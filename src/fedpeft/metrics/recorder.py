@@ -51,7 +51,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 # Engine fields that change where clients run, not what they compute: a run may resume on another engine.
 TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout")
 
-LATER_FIELDS: dict[tuple[str, str], Any] = {("client", "dp"): None, ("client", "timeout_seconds"): None}
+LATER_FIELDS: dict[tuple[str, str], Any] = {
+    ("client", "dp"): None, ("client", "timeout_seconds"): None, ("task", "validation_fraction"): None,
+    ("task", "validation_file"): None, ("evaluation", "splits"): ["eval", "validation"],
+}
 """Config fields added after runs were already checkpointed, with their defaults: left out of the
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
 
@@ -66,6 +69,7 @@ def resume_fingerprint(cfg: ExperimentConfig) -> str:
     raw = cfg.model_dump(mode="json")
     raw.pop("rounds")
     raw.pop("output")
+    raw.pop("paper_defaults")  # the values it selected are in the sections
     for key in TRANSPORT_FIELDS:
         raw["engine"].pop(key, None)
     raw["engine"]["kind"] = "local"

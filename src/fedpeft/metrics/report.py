@@ -1,6 +1,7 @@
 """Figures and a single self-contained HTML page for one run or several side by side.
 
-Figures: metric vs round, vs cumulative uplink bytes, vs (simulated) time, each client's data
+Figures: metric vs round (mean over seeds with a 95% band, centralised runs as a ceiling line),
+vs cumulative uplink bytes, vs (simulated) time, each client's data
 (label histogram per client), and the method-specific values each run logged per round under
 ``method`` in metrics.jsonl: scalar series become line plots (FedTT+ active factor, FLASC
 densities, FeDeRA magnitude/direction variation, ...), per-round matrices become heatmaps of
@@ -14,6 +15,7 @@ import base64
 import html
 import io
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from fedpeft.metrics.compare import Bandwidth, Run, time_axis
+from fedpeft.metrics.compare import NOT_FRACTIONS, Bandwidth, Run, time_axis
+from fedpeft.metrics.stats import estimate
 from fedpeft.metrics.summary import human_bytes
 
 MAX_PARTITION_PANELS = 6
@@ -63,23 +66,62 @@ def _save(fig: Figure, slug: str, title: str, out_dir: Path) -> Plot:
     return Plot(slug, title, buffer.getvalue())
 
 
+def seed_groups(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Runs that differ only in seed (names ``..._seedN``) share a group, named without the seed."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.name.rsplit("_seed", 1)[0], []).append(run)
+    return groups
+
+
+def is_centralized(run: Run) -> bool:
+    return run.config.get("partition", {}).get("kind") == "centralized"
+
+
+def band(runs: Sequence[Run], metric: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Per evaluated round: the mean over the runs and its 95% interval (t over seeds, or the
+    binomial interval of one run's eval size), over the rounds every run evaluated."""
+    curves = [dict((r["round"], v) for r, v in run.curve(metric)) for run in runs]
+    rounds = sorted(set.intersection(*(set(c) for c in curves)))
+    sizes = [next((r["eval_examples"] for r in run.records if r.get("eval_examples")), None) for run in runs]
+    means, lows, highs = [], [], []
+    for round_idx in rounds:
+        value = estimate([c[round_idx] for c in curves], sizes[0], metric not in NOT_FRACTIONS)
+        means.append(value.mean)
+        lows.append(value.low)
+        highs.append(value.high)
+    return rounds, means, lows, highs
+
+
 def curve_plots(runs: Sequence[Run], out_dir: Path, bandwidth: Bandwidth | None) -> list[Plot]:
+    """Metric per round (mean over seeds with its 95% band; centralised runs as a dashed ceiling
+    line at their mean best), vs cumulative uplink bytes, and vs time."""
     metric = runs[0].metric
+    groups = seed_groups(runs)
     plots = []
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in runs:
-        points = run.curve(metric)
-        ax.plot([r["round"] for r, _ in points], [v for _, v in points], marker="o", ms=3, label=run.name)
-    ax.set(xlabel="round", ylabel=metric, title=f"{metric} per round")
+    for name, members in groups.items():
+        rounds, means, lows, highs = band(members, metric)
+        if not rounds:
+            continue
+        if is_centralized(members[0]):
+            best = statistics.fmean(max(v for _, v in run.curve(metric)) for run in members)
+            ax.axhline(best, linestyle="--", color="black", linewidth=1, label=f"ceiling: {name} ({best:.3f})")
+            continue
+        line, = ax.plot(rounds, means, marker="o", ms=3, label=name if len(members) == 1 else
+                        f"{name} ({len(members)} seeds)")
+        ax.fill_between(rounds, lows, highs, color=line.get_color(), alpha=0.18, linewidth=0)
+    ax.set(xlabel="round", ylabel=metric, title=f"{metric} per round (band: 95% interval)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     plots.append(_save(fig, "metric_vs_round", f"{metric} per round", out_dir))
 
+    federated = [run for run in runs if not is_centralized(run)] or list(runs)
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in runs:
+    for run in federated:
         points = [(r, v) for r, v in run.curve(metric) if r["round"] > 0]
         ax.plot([r["cum_bytes_up"] for r, _ in points], [v for _, v in points], marker="o", ms=3, label=run.name)
-    ax.set_xscale("symlog" if len(runs) == 1 else "log")
+    ax.set_xscale("symlog" if len(federated) == 1 else "log")
     _bytes_axis(ax)
     ax.set(xlabel="cumulative uplink bytes (all clients)", ylabel=metric, title=f"{metric} vs uplink bytes")
     ax.grid(alpha=0.3)
@@ -88,7 +130,7 @@ def curve_plots(runs: Sequence[Run], out_dir: Path, bandwidth: Bandwidth | None)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     kinds = set()
-    for run in runs:
+    for run in federated:
         times, kind = time_axis(run, bandwidth)
         kinds.add(kind)
         at = {r["round"]: t for r, t in zip(run.records, times)}
@@ -227,7 +269,7 @@ def _fmt(value: Any, key: str) -> str:
         return human_bytes(float(value))
     if "seconds" in key:
         return _seconds_label(float(value))
-    if key in ("best_metric", "final_metric", "target"):
+    if key == "target":
         return f"{float(value):.4f}"
     if key == "trainable_params" or key == "client_flops_per_step":
         return f"{int(value):,}" if key == "trainable_params" else f"{float(value) / 1e9:.2f} GFLOP"
@@ -236,8 +278,23 @@ def _fmt(value: Any, key: str) -> str:
     return str(value)
 
 
+def metric_cell(row: dict[str, Any], key: str) -> str:
+    """``mean ± std [low, high]`` over seeds, or ``value [low, high]`` for one run (95% intervals)."""
+    value = row.get(key)
+    if value is None:
+        return "-"
+    text = f"{value:.3f}"
+    if len(row.get("seeds", [])) > 1:
+        text += f" ± {row.get(f'{key}_std', 0.0):.3f}"
+    interval = row.get(f"{key}_ci")
+    if interval:
+        text += f" [{interval[0]:.3f}, {interval[1]:.3f}]"
+    return text
+
+
 TABLE_COLUMNS = [
-    ("run", "run"), ("method", "method"), ("trainable_params", "trainable params"), ("best_metric", "best"),
+    ("run", "run"), ("method", "method"), ("eval_examples", "eval n"), ("trainable_params", "trainable params"),
+    ("best_metric", "best (95% CI)"), ("final_metric", "final (95% CI)"), ("vs_best", "final vs best"),
     ("rounds_to_target", "rounds to target"), ("bytes_to_target", "bytes to target"),
     ("seconds_to_target", "time to target"), ("uplink_bytes_per_client_round", "up / client / round"),
     ("downlink_bytes_per_client_round", "down / client / round"), ("client_flops_per_step", "client FLOPs / step"),
@@ -246,7 +303,8 @@ TABLE_COLUMNS = [
 
 
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    return [[_fmt(row.get(key), key) for key, _ in TABLE_COLUMNS] for row in rows]
+    return [[metric_cell(row, key) if key in ("best_metric", "final_metric") else _fmt(row.get(key), key)
+             for key, _ in TABLE_COLUMNS] for row in rows]
 
 
 def write_html(title: str, rows: Sequence[dict[str, Any]], plots: Sequence[Plot], path: Path,

@@ -7,8 +7,14 @@ Each recipe is one YAML file in this folder::
     algorithm: default            # a registered Algorithm
     paper: where the method comes from (optional)
     defaults: {adapter: ..., client: ..., strategy: ..., codec: ...}
+    paper_values: {client: {lr: ...}}   # the paper's values where the defaults differ (optional)
+    tune: {client.lr: {low: ..., high: ..., log: true}}   # `fedpeft tune`'s search space (optional)
 
-The user's config is merged over ``defaults``, so every default can be overridden.
+The user's config is merged over ``defaults``, so every default can be overridden. ``defaults``
+are values that learn in short runs (tens of rounds); where the paper used other values for its
+runs of hundreds of rounds, ``paper_values`` keeps them and ``paper_defaults: true`` in a config
+selects them. ``tune`` is the recipe's own search space (:mod:`fedpeft.tune` derives one when
+it is absent).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class Recipe:
     algorithm: str = "default"
     paper: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
+    paper_values: dict[str, Any] = field(default_factory=dict)
+    tune: dict[str, Any] = field(default_factory=dict)
 
 
 def _load_recipes() -> dict[str, Recipe]:
