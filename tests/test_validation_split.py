@@ -45,13 +45,13 @@ def test_validation_split_is_stratified_and_deterministic() -> None:
 
 def test_validation_fraction_bad_values() -> None:
     for bad in (0, 1, 1.5, -0.1):
-        with pytest.raises(ConfigError, match="task.validation_fraction"):
+        with pytest.raises(ConfigError, match=r"task\.validation_fraction"):
             build_config({"task": {"name": "sst2", "validation_fraction": bad}})
-    with pytest.raises(ConfigError, match="task.validation_fraction: .* class 1 leaves it no training example"):
+    with pytest.raises(ConfigError, match=r"task.validation_fraction: .* class 1 leaves it no training example"):
         validation_indices([0, 0, 0, 0, 1], 0.6)
-    with pytest.raises(ConfigError, match="task.validation_file"):
+    with pytest.raises(ConfigError, match=r"task\.validation_file"):
         build_config({"task": {"name": "file", "validation_fraction": 0.1, "validation_file": "v.csv"}})
-    with pytest.raises(ConfigError, match="evaluation.splits"):
+    with pytest.raises(ConfigError, match=r"evaluation\.splits"):
         build_config({"evaluation": {"splits": ["validation"]}})
 
 
@@ -63,7 +63,7 @@ def test_validation_file_uses_the_training_label_set(toy_files: tuple[Path, Path
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\nfoo,maybe\n")
     raw = tiny_raw_config(train, eval_, tmp_path / "run", task={"validation_file": str(bad)})
-    with pytest.raises(ConfigError, match="task.label_names"):
+    with pytest.raises(ConfigError, match=r"task\.label_names"):
         load_data(build_config(raw))
 
 

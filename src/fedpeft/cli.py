@@ -103,8 +103,9 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
                   f"{task.problem_type}, labels {list(task.label_names)}, metrics {list(task.metrics)}")
     partition = cfg.partition
     skew = f", alpha {partition.alpha}" if partition.kind in ("dirichlet", "quantity_skew") else ""
+    seed = partition.seed if partition.seed is not None else cfg.seed
     console.print(f"partition {partition.kind}{skew}: {partition.num_clients} clients, "
-                  f"{cfg.clients_per_round()} per round, seed {partition.seed if partition.seed is not None else cfg.seed}")
+                  f"{cfg.clients_per_round()} per round, seed {seed}")
     if task.class_names != task.label_names:
         console.print(f"{len(task.class_names)} partition classes (FeDeRA App. A.2): {list(task.class_names)[:8]} ...")
     rows = describe_partition(shards, [ex.label for ex in task.train], task.class_names)
@@ -128,7 +129,8 @@ def _compare(run_dirs: list[str], out: str | None, target: float | None, bandwid
     notes = [f"target {runs[0].metric} = {goal:.4f}" + (" (95% of the best run's best)" if target is None else "")
              if goal is not None else "no target",
              "best/final: mean ± std over seeds [95% interval: t over seeds; one seed: binomial from the eval "
-             "size]; 'within noise' = its final interval overlaps the best run's", "bytes: lengths of the serialized messages; "
+             "size]; 'within noise' = its final interval overlaps the best run's",
+             "bytes: lengths of the serialized messages; "
              "time: " + (f"simulated at {bandwidth} Mbps down/up plus measured client compute" if link
                          else "the runs' simulated time when they had a network model, else wall clock")]
     path = build_report(runs, rows, out_dir, title, link, notes)

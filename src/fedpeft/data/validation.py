@@ -32,7 +32,7 @@ def validation_indices(labels: list[int | float | None], fraction: float, seed: 
     chosen: list[np.ndarray] = []
     for value in np.unique(classes):
         members = np.flatnonzero(classes == value)
-        take = int(round(fraction * len(members)))
+        take = round(fraction * len(members))
         if take >= len(members):
             raise ConfigError("task.validation_fraction",
                               f"{fraction} of the {len(members)} training example(s) of class {int(value)} leaves it "
