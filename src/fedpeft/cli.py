@@ -1,4 +1,4 @@
-"""Command line: ``fedpeft run | recipes | data | compare | report | sweep | deploy``."""
+"""Command line: ``fedpeft run | tune | recipes | data | compare | report | sweep | deploy``."""
 
 from __future__ import annotations
 
@@ -170,6 +170,19 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.config import load_raw
+    from fedpeft.tune import load_space, tune
+
+    raw = load_raw(args.config, args.overrides)
+    out = Path(args.out) if args.out else Path("runs") / f"tune_{Path(args.config).stem}"
+    space = load_space(args.space) if args.space else None
+    tune(raw, out, args.trials, seed=args.seed, space=space, pruner=args.pruner, rounds=args.rounds,
+         validation_fraction=args.validation_fraction, data_dir=args.data_dir, console=console)
+    console.print(f"next: fedpeft run {out / 'best.yaml'}")
+    return 0
+
+
 def cmd_deploy_app(args: argparse.Namespace, console: Console) -> int:
     from fedpeft.engines.deploy import write_app
     from fedpeft.experiment import default_run_dir
@@ -314,6 +327,23 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR")
     _add_report_args(report)
     report.set_defaults(func=cmd_report)
+
+    tune = sub.add_parser("tune", help="search a config's learning rates on a validation split",
+                          description="Federated hyperparameter search (Optuna TPE + pruning) on a validation split "
+                                      "carved from the training data; writes best.yaml, trials.csv, trials.png")
+    tune.add_argument("config", help="experiment YAML")
+    tune.add_argument("--trials", type=int, default=8, help="trials in the study (a resumed tune counts the done ones)")
+    tune.add_argument("--out", help="tune directory (default: runs/tune_<config name>); rerun to resume")
+    tune.add_argument("--space", help="search-space YAML (dotted.key: {low, high, log} or {choices: [...]}); "
+                                      "default: the recipe's")
+    tune.add_argument("--seed", type=int, default=0, help="sampler seed (same seed, same trials)")
+    tune.add_argument("--pruner", choices=["median", "halving", "none"], default="median",
+                      help="stop bad trials early on the round-by-round validation metric")
+    tune.add_argument("--rounds", type=int, help="rounds per trial (default: the config's)")
+    tune.add_argument("--validation-fraction", type=float,
+                      help="validation split carved from training (default: the config's, else 0.1)")
+    _add_config_args(tune)
+    tune.set_defaults(func=cmd_tune)
 
     sweep = sub.add_parser("sweep", help="run a grid of experiments and compare them",
                            description="Run methods x tasks x partitions x seeds from a sweep YAML, then compare")

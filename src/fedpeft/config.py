@@ -482,8 +482,9 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise _format_validation_error(err) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a YAML experiment file (or start empty), apply ``--set`` overrides, validate."""
+def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A YAML experiment file (or nothing) as a mapping, with ``--set`` overrides applied; the
+    recipe's values are not merged in yet (see :func:`build_config`)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -493,4 +494,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(loaded, dict):
             raise ConfigError("config", f"{path} must hold a mapping at top level")
         raw = loaded
-    return build_config(apply_overrides(raw, overrides or []))
+    return apply_overrides(raw, overrides or [])
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment file (or start empty), apply ``--set`` overrides, validate."""
+    return build_config(load_raw(path, overrides))

@@ -17,6 +17,10 @@ class RoundFailed(RuntimeError):
     """Too few valid client replies to aggregate this round."""
 
 
+
+NON_FINITE = "NaN or Inf values"
+"""The reason given for an update holding NaN or Inf (a client whose training diverged)."""
+
 def expected_upload_shapes(task: ClientTask, global_state: State, trainable: list[str]) -> dict[str, torch.Size]:
     """Keys the client must send and their shapes (the payload's shape when it was sent sliced)."""
     keys = task.upload_keys if task.upload_keys is not None else task.train_keys
@@ -43,5 +47,5 @@ def check_update(result: ClientResult, expected: dict[str, torch.Size], message_
         if value.shape != expected[key]:
             return f"{key}: shape {tuple(value.shape)}, expected {tuple(expected[key])}"
         if not torch.isfinite(value).all():
-            return f"{key}: NaN or Inf values"
+            return f"{key}: {NON_FINITE}"
     return None

@@ -1,0 +1,455 @@
+"""``fedpeft tune``: a federated search of a recipe's hyperparameters on a validation split.
+
+Each trial is a whole federated run of the config with sampled values (client learning rate,
+server learning rate, ...) on the training data minus a **validation split** carved from it
+(``task.validation_fraction``, 0.1 unless the config has a split already): the trial scores the
+validation split after every round and never looks at the eval split, which stays for reporting.
+The objective is the validation metric after the last round (the value the run ends with, not
+its luckiest round).
+
+Search: Optuna's TPE sampler, reseeded for every trial from (``seed``, trial number), so the same
+seed gives the same trials, also across a resume. Bad trials stop early: after each round the
+validation metric is reported to a pruner (median by default: stop a trial below the median of
+earlier trials at the same round; or successive halving), and a trial whose training loss is
+not finite, or a client of which sends NaN/Inf, stops at once. Everything lives in ``TUNE_DIR``: Optuna's SQLite storage
+(``study.db``), one run directory per trial (``trials/NNN``), ``trials.csv``, ``trials.png`` and
+``best.yaml``, the full config with the chosen values, runnable as is (``fedpeft run
+best.yaml``). A killed tune resumes where it stopped: the trial that was running is retried with
+the same values from its last checkpoint, so at most its current round is lost.
+
+The search space is the recipe's own (``tune:`` in its YAML, see :mod:`fedpeft.recipes`), else
+derived from its defaults (client lr log-uniform over [lr/10, 10 lr]; the server lr likewise where
+the strategy has one); a ``--space`` YAML of ``dotted.key: {low, high, log}`` (or ``{choices:
+[...]}``, ``type: int``) replaces it.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedpeft.config import ConfigError, ExperimentConfig, build_config
+from fedpeft.seeding import derive_seed
+
+DEFAULT_VALIDATION_FRACTION = 0.1
+STUDY = "fedpeft-tune"
+SERVER_LR_STRATEGIES = frozenset({"fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedadamw"})
+"""Strategies whose ``server_lr`` is a step size worth tuning (FedAvg's 1.0 is plain averaging)."""
+
+
+class ParamSpec(BaseModel):
+    """One searched value: a float or int range (``log`` for a log-uniform draw) or a list of choices."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["float", "int", "categorical"] = "float"
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    choices: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ParamSpec:
+        if self.choices is not None:
+            if self.type == "float" and self.low is None and self.high is None:
+                self.type = "categorical"
+            if self.type != "categorical" or not self.choices:
+                raise ValueError("choices need a non-empty list and no low/high")
+            return self
+        if self.type == "categorical":
+            raise ValueError("a categorical value needs choices")
+        if self.low is None or self.high is None:
+            raise ValueError("needs low and high (or choices)")
+        if not self.low < self.high:
+            raise ValueError(f"empty or inverted range: low {self.low} must be below high {self.high}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"a log range needs low > 0, got {self.low}")
+        if self.type == "int" and not (float(self.low).is_integer() and float(self.high).is_integer()):
+            raise ValueError("an int range needs whole bounds")
+        return self
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        if self.type == "categorical":
+            return trial.suggest_categorical(name, self.choices)
+        if self.type == "int":
+            return trial.suggest_int(name, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(name, self.low, self.high, log=self.log)
+
+    def extremes(self) -> list[Any]:
+        """Values at the edges of the space, to validate before any training."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        cast = int if self.type == "int" else float
+        return [cast(self.low), cast(self.high)]
+
+
+Space = dict[str, ParamSpec]
+
+
+def parse_space(raw: Any, source: str) -> Space:
+    """A space from a mapping ``dotted.key -> spec`` (errors name ``source.key``)."""
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(source, "expected a non-empty mapping of dotted config keys to {low, high, log} or "
+                                  "{choices: [...]}")
+    space = {}
+    for key, spec in raw.items():
+        try:
+            space[str(key)] = ParamSpec.model_validate(spec if isinstance(spec, dict) else {"choices": spec})
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ConfigError(f"{source}.{key}", first["msg"].removeprefix("Value error, ")) from None
+    return space
+
+
+def load_space(path: str | Path) -> Space:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--space", f"file not found: {path}")
+    return parse_space(yaml.safe_load(path.read_text()), "space")
+
+
+def default_space(cfg: ExperimentConfig) -> Space:
+    """The recipe's ``tune:`` space, else client lr (and the server lr where the strategy steps) over a
+    decade either side of the recipe's value."""
+    from fedpeft.recipes import RECIPES
+
+    recipe = RECIPES[cfg.method]
+    if recipe.tune:
+        return parse_space(recipe.tune, f"recipes/{cfg.method}.yaml tune")
+    space = {"client.lr": ParamSpec(low=cfg.client.lr / 10, high=cfg.client.lr * 10, log=True)}
+    if cfg.strategy.name in SERVER_LR_STRATEGIES:
+        lr = cfg.strategy.server_lr
+        space["strategy.server_lr"] = ParamSpec(low=lr / 10, high=lr * 10, log=True)
+    return space
+
+
+def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """A copy of ``raw`` with ``dotted`` set to ``value`` (sections created as needed)."""
+    out = copy.deepcopy(raw)
+    node = out
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def _has_key(dumped: dict[str, Any], dotted: str) -> bool:
+    node: Any = dumped
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def check_space(space: Space, raw: dict[str, Any], source: str = "space") -> None:
+    """Every key names a value of the resolved config, and the config is valid at every edge."""
+    dumped = build_config(raw).model_dump(mode="json")
+    for key, spec in space.items():
+        if not _has_key(dumped, key):
+            raise ConfigError(f"{source}.{key}", "unknown config key (not a field of the resolved config)")
+        for value in spec.extremes():
+            try:
+                build_config(set_dotted(raw, key, value))
+            except ConfigError as err:
+                raise ConfigError(f"{source}.{key}", f"the value {value!r} is not allowed: {err}") from None
+
+
+def tuning_config(raw: dict[str, Any], rounds: int | None = None,
+                  validation_fraction: float | None = None) -> dict[str, Any]:
+    """The base of every trial: a validation split (the config's own, else ``validation_fraction``,
+    else 10%), scored alone each round, and optionally another number of rounds."""
+    out = copy.deepcopy(raw)
+    task = out.setdefault("task", {})
+    if validation_fraction is not None:
+        task.pop("validation_file", None)
+        task["validation_fraction"] = validation_fraction
+    elif task.get("validation_fraction") is None and task.get("validation_file") is None:
+        task["validation_fraction"] = DEFAULT_VALIDATION_FRACTION
+    if rounds is not None:
+        out["rounds"] = rounds
+    out.setdefault("engine", {})["kind"] = "local"
+    out.setdefault("evaluation", {})["splits"] = ["validation"]
+    out.setdefault("output", {}).update(progress=False, run_dir=None)
+    return out
+
+
+@dataclass
+class TuneResult:
+    best_params: dict[str, Any]
+    best_value: float
+    best_config: Path
+    trials: int
+    metric: str
+
+
+class _NonFinite(Exception):
+    """A trial's training diverged (its loss is NaN or infinite)."""
+
+
+def _pruner(kind: str) -> Any:
+    import optuna
+
+    if kind == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+    if kind == "halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=3)
+    return optuna.pruners.NopPruner()
+
+
+def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str) -> str:
+    resolved = build_config(base).model_dump(mode="json")
+    resolved.pop("output")
+    blob = {"config": resolved, "space": {k: v.model_dump() for k, v in space.items()}, "seed": seed,
+            "pruner": pruner}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, space: Space | None = None,
+         pruner: Literal["median", "halving", "none"] = "median", rounds: int | None = None,
+         validation_fraction: float | None = None, data_dir: str | None = None,
+         console: Console | None = None) -> TuneResult:
+    """Run (or resume) a study of ``trials`` trials of the config ``raw`` in ``tune_dir``."""
+    import optuna
+
+    console = console or Console()
+    if trials < 1:
+        raise ConfigError("--trials", f"must be at least 1, got {trials}")
+    base = tuning_config(raw, rounds, validation_fraction)
+    cfg = build_config(base)
+    space = space if space is not None else default_space(cfg)
+    check_space(space, base)
+    tune_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = _fingerprint(base, space, seed, pruner)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=f"sqlite:///{tune_dir / 'study.db'}", study_name=STUDY,
+                                direction="maximize", pruner=_pruner(pruner), load_if_exists=True)
+    saved = study.user_attrs.get("fingerprint")
+    if saved is None:
+        study.set_user_attr("fingerprint", fingerprint)
+        study.set_user_attr("space", {k: v.model_dump() for k, v in space.items()})
+    elif saved != fingerprint:
+        raise ConfigError("TUNE_DIR", f"{tune_dir} holds the study of another config, space, seed or pruner; "
+                          "use another --out (or delete it)")
+    _retry_interrupted(study)
+    metric_holder: dict[str, str] = {}
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, disable=not raw.get("output", {}).get("progress", True))
+    with progress:
+        done = _counted(study)
+        trial_bar = progress.add_task("trials", total=trials, completed=done)
+        round_bar = progress.add_task("rounds", total=cfg.rounds)
+        while done < trials:
+            # seeded by how many trials are done, so a resumed study draws what an uninterrupted one would
+            study.sampler = optuna.samplers.TPESampler(seed=derive_seed(seed, "tune", done) % 2**32,
+                                                       n_startup_trials=max(2, min(5, trials // 2)))
+            trial = study.ask()
+            run_dir = Path(trial.user_attrs.get("run_dir") or tune_dir / "trials" / f"{trial.number:03d}")
+            trial.set_user_attr("run_dir", str(run_dir))
+            params = {key: spec.suggest(trial, key) for key, spec in space.items()}
+            progress.update(trial_bar, description=f"trial {trial.number}")
+            progress.reset(round_bar, total=cfg.rounds)
+            started = time.perf_counter()
+            state, value, reason = _run_trial(trial, base, params, run_dir, data_dir, metric_holder,
+                                              lambda: progress.advance(round_bar))
+            trial.set_user_attr("seconds", time.perf_counter() - started)
+            if reason:
+                trial.set_user_attr("note", reason)
+            if state == "complete":
+                study.tell(trial, value)
+            elif state == "pruned":
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+            console.print(f"trial {trial.number}: {shown} -> {state}"
+                          + (f" {metric_holder.get('name', 'metric')} {value:.4f}" if value is not None else "")
+                          + (f" ({reason})" if reason else ""))
+            done = _counted(study)
+            progress.update(trial_bar, completed=done)
+    return _write_outputs(study, base, raw, space, tune_dir, metric_holder.get("name"), console)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _counted(study: Any) -> int:
+    """Trials that used budget: finished ones, not the interrupted ones that were retried."""
+    from optuna.trial import TrialState
+
+    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+               and not t.user_attrs.get("retried") for t in study.trials)
+
+
+def _retry_interrupted(study: Any) -> None:
+    """A trial left RUNNING by a killed tune is marked failed (not counted) and queued again with
+    the same values and run directory, so it resumes from its checkpoint."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        storage = study._storage
+        storage.set_trial_user_attr(trial._trial_id, "retried", True)
+        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        study.enqueue_trial(trial.params, user_attrs={"run_dir": trial.user_attrs.get("run_dir")},
+                            skip_if_exists=False)
+
+
+def _run_trial(trial: Any, base: dict[str, Any], params: dict[str, Any], run_dir: Path, data_dir: str | None,
+               metric_holder: dict[str, str], advance: Callable[[], None]) -> tuple[str, float | None, str]:
+    """Run one trial; (state, objective, reason). Reports each round's validation metric to the pruner."""
+    import optuna
+
+    from fedpeft.engines.local import LocalEngine
+    from fedpeft.experiment import prepare
+    from fedpeft.federated.validation import NON_FINITE, RoundFailed
+    from fedpeft.metrics.recorder import CONFIG
+
+    raw = copy.deepcopy(base)
+    for key, value in params.items():
+        raw = set_dotted(raw, key, value)
+    raw["output"]["run_dir"] = str(run_dir)
+    try:
+        cfg = build_config(raw)
+        exp = prepare(cfg, data_dir)
+    except ConfigError as err:
+        return "failed", None, str(err)
+    metric = exp.task.primary_metric
+    metric_holder["name"] = f"validation {metric}"
+    resume = (run_dir / CONFIG).exists()  # a retried trial continues from its checkpoint (or round 1)
+    engine = LocalEngine(exp, run_dir, Console(quiet=True))
+    reported: set[int] = set()
+
+    def on_round(record: dict[str, Any]) -> None:
+        advance()
+        for done in engine.recorder.records:  # after a resume: the rounds run before the kill, too
+            value = done.get("validation", {}).get(metric)
+            if value is not None and done["round"] > 0 and done["round"] not in reported:
+                trial.report(value, done["round"])
+                reported.add(done["round"])
+        if not math.isfinite(record["train_loss"]):
+            raise _NonFinite(f"training loss {record['train_loss']} in round {record['round']}")
+        if any(NON_FINITE in failure["reason"] for failure in record.get("failures", [])):
+            raise _NonFinite(f"a client's update held NaN or Inf in round {record['round']}")
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+
+    try:
+        records = engine.run(resume=resume, on_round=on_round)
+    except optuna.TrialPruned:
+        return "pruned", None, f"pruned after round {len(reported)}"
+    except (_NonFinite, RoundFailed) as err:
+        return "pruned", None, f"diverged: {err}"
+    value = next((r["validation"][metric] for r in reversed(records) if metric in r.get("validation", {})), None)
+    if value is None:
+        return "failed", None, "no validation metric was recorded"
+    trial.set_user_attr("best_round_value", max(r["validation"][metric] for r in records if "validation" in r))
+    return "complete", float(value), ""
+
+
+def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space: Space, tune_dir: Path,
+                   metric: str | None, console: Console) -> TuneResult:
+    from optuna.trial import TrialState
+
+    trials = [t for t in study.trials if not t.user_attrs.get("retried")]
+    _write_csv(trials, space, tune_dir / "trials.csv")
+    _plot(trials, space, tune_dir / "trials.png", metric or "validation metric")
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if not complete:
+        raise ConfigError("--trials", f"no trial completed (see {tune_dir / 'trials.csv'}): widen the space or "
+                          "raise --trials")
+    best = max(complete, key=lambda t: (t.value, -t.number))
+    chosen = copy.deepcopy(raw)
+    task = chosen.setdefault("task", {})
+    for key in ("validation_fraction", "validation_file"):  # train the final run on exactly the tuned data
+        task[key] = base["task"].get(key)
+    for key, value in best.params.items():
+        chosen = set_dotted(chosen, key, value)
+    chosen.setdefault("output", {})["run_dir"] = None
+    cfg = build_config(chosen)
+    path = tune_dir / "best.yaml"
+    header = (f"# fedpeft tune: best of {len(trials)} trials ({metric} {best.value:.4f} at the last round, trial "
+              f"{best.number}); chosen: " + ", ".join(f"{k}={_short(v)}" for k, v in best.params.items()) + "\n")
+    path.write_text(header + cfg.to_yaml())
+    summary = {"best_params": best.params, "best_value": best.value, "best_trial": best.number, "metric": metric,
+               "trials": len(trials), "complete": len(complete),
+               "pruned": sum(t.state == TrialState.PRUNED for t in trials),
+               "failed": sum(t.state == TrialState.FAIL for t in trials),
+               "seconds": sum(t.user_attrs.get("seconds", 0.0) for t in trials),
+               "space": {k: v.model_dump() for k, v in space.items()}}
+    (tune_dir / "tune.json").write_text(json.dumps(summary, indent=2))
+    console.print(f"best {metric} {best.value:.4f} with " + ", ".join(f"{k}={_short(v)}" for k, v in
+                                                                     best.params.items()) + f"; config: {path}")
+    return TuneResult(best.params, float(best.value), path, len(trials), metric or "")
+
+
+def _write_csv(trials: list[Any], space: Space, path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["trial", "state", "value", *space, "rounds_reported", "seconds", "run_dir", "note"])
+        for t in trials:
+            writer.writerow([t.number, t.state.name.lower(), "" if t.value is None else f"{t.value:.6f}",
+                             *(t.params.get(k, "") for k in space), len(t.intermediate_values),
+                             f"{t.user_attrs.get('seconds', 0.0):.1f}", t.user_attrs.get("run_dir", ""),
+                             t.user_attrs.get("note", "")])
+
+
+def _plot(trials: list[Any], space: Space, path: Path, metric: str) -> None:
+    """Left: each trial's objective (pruned: its last reported value) and the running best;
+    right: the objective against the first searched value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.trial import TrialState
+
+    def shown(t: Any) -> float | None:
+        if t.value is not None:
+            return t.value
+        return t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else None
+
+    points = [(t, shown(t)) for t in trials if shown(t) is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for state, marker, label in ((TrialState.COMPLETE, "o", "complete"), (TrialState.PRUNED, "x", "pruned")):
+        chosen = [(t.number, v) for t, v in points if t.state == state]
+        if chosen:
+            axes[0].scatter(*zip(*chosen), marker=marker, label=label)
+    best, running = float("-inf"), []
+    for t in trials:
+        if t.state == TrialState.COMPLETE:
+            best = max(best, t.value)
+        running.append((t.number, best if best > float("-inf") else math.nan))
+    if running:
+        axes[0].step(*zip(*running), where="post", color="black", linewidth=1, label="best so far")
+    axes[0].set(xlabel="trial", ylabel=metric, title="trials")
+    axes[0].legend(fontsize=8)
+    key = next(iter(space))
+    for state, marker in ((TrialState.COMPLETE, "o"), (TrialState.PRUNED, "x")):
+        chosen = [(t.params[key], v) for t, v in points if t.state == state and key in t.params]
+        if chosen:
+            axes[1].scatter(*zip(*chosen), marker=marker)
+    if space[key].log:
+        axes[1].set_xscale("log")
+    axes[1].set(xlabel=key, ylabel=metric, title=f"{metric} vs {key}")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

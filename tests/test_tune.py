@@ -1,0 +1,155 @@
+"""fedpeft tune: seeded determinism, pruning, resume after SIGKILL, best.yaml runs, bad input."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fedpeft.config import ConfigError, build_config
+from fedpeft.tune import ParamSpec, check_space, default_space, parse_space, tune, tuning_config
+from tests.conftest import tiny_raw_config, write_toy_sentiment
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    root = tmp_path_factory.mktemp("tune")
+    train = write_toy_sentiment(root / "train.csv", 160, 0)
+    eval_ = write_toy_sentiment(root / "eval.csv", 64, 1)
+    raw = tiny_raw_config(train, eval_, root / "unused", rounds=3, engine={"threads": 1})
+    return raw, root
+
+
+def _rows(tune_dir: Path) -> list[dict[str, str]]:
+    with (tune_dir / "trials.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_same_seed_same_trials_and_best_yaml_runs(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    from rich.console import Console
+
+    raw, _ = toy
+    quiet = Console(quiet=True)
+    first = tune(raw, tmp_path / "a", 4, seed=3, pruner="none", console=quiet)
+    second = tune(raw, tmp_path / "b", 4, seed=3, pruner="none", console=quiet)
+    other = tune(raw, tmp_path / "c", 4, seed=4, pruner="none", console=quiet)
+    lrs = [[row["client.lr"] for row in _rows(tmp_path / d)] for d in ("a", "b", "c")]
+    assert lrs[0] == lrs[1] and lrs[0] != lrs[2]
+    assert first.best_params == second.best_params and other.trials == 4
+    best = build_config(yaml.safe_load(first.best_config.read_text()))
+    assert best.client.lr == first.best_params["client.lr"]
+    assert best.task.validation_fraction == 0.1 and best.evaluation.splits == ["eval", "validation"]
+    assert (tmp_path / "a" / "trials.png").stat().st_size > 0
+    assert (tmp_path / "a" / "study.db").exists()
+    from fedpeft.cli import main
+
+    assert main(["run", str(first.best_config), "--run-dir", str(tmp_path / "best_run")]) == 0
+    assert (tmp_path / "best_run" / "summary.json").exists()
+    # asking again for the same budget reuses the study: nothing new runs
+    again = tune(raw, tmp_path / "a", 4, seed=3, pruner="none", console=quiet)
+    assert again.best_params == first.best_params and len(_rows(tmp_path / "a")) == 4
+
+
+def test_pruning_stops_a_diverging_trial(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    from rich.console import Console
+
+    raw, _ = toy
+    raw = {**raw, "rounds": 4, "client": {**raw["client"], "optimizer": "sgd"}}  # SGD at 1e6: the loss overflows
+    space = parse_space({"client.lr": {"choices": [0.01, 1.0e6]}}, "space")
+    tune(raw, tmp_path / "t", 4, seed=0, space=space, console=Console(quiet=True))
+    rows = _rows(tmp_path / "t")
+    diverged = [r for r in rows if float(r["client.lr"]) > 1]
+    assert diverged and all(r["state"] == "pruned" and int(r["rounds_reported"]) <= 1 and "diverged" in r["note"]
+                            for r in diverged)
+    assert any(r["state"] == "complete" and float(r["client.lr"]) == 0.01 for r in rows)
+
+
+def _command(config: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "fedpeft", "tune", str(config), "--trials", "3", "--pruner", "none",
+            "--out", str(out)]
+
+
+def _env() -> dict[str, str]:
+    paths = [str(Path(__file__).resolve().parents[1] / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_the_study(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    raw, _ = toy
+    raw = {**raw, "rounds": 6}
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    subprocess.run(_command(config, tmp_path / "full"), env=_env(), check=True, capture_output=True)
+    proc = subprocess.Popen(_command(config, tmp_path / "killed"), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "trials" / "001" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(metrics.read_text().splitlines()) < 6  # killed inside trial 1
+    done = subprocess.run(_command(config, tmp_path / "killed"), env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    full, killed = _rows(tmp_path / "full"), _rows(tmp_path / "killed")
+    assert [(r["client.lr"], r["value"]) for r in killed] == [(r["client.lr"], r["value"]) for r in full]
+    resumed = next(r for r in killed if r["run_dir"].endswith("001"))
+    assert int(resumed["rounds_reported"]) == 6  # the rounds before the kill were kept, not rerun
+    rounds = [line for line in metrics.read_text().splitlines()]
+    assert len(rounds) == 6
+    body = [(tmp_path / d / "best.yaml").read_text().split("\n", 1)[1] for d in ("killed", "full")]
+    assert body[0] == body[1]  # the same config; only the header's trial number differs (a retried trial is new)
+
+
+def test_default_space_and_bad_input(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    from rich.console import Console
+
+    raw, _ = toy
+    space = default_space(build_config(raw))
+    assert set(space) == {"client.lr"} and space["client.lr"].log
+    flasc = default_space(build_config({"method": "flasc"}))
+    assert {"client.lr", "strategy.server_lr"} <= set(flasc)
+    base = tuning_config(raw)
+    with pytest.raises(ConfigError, match=r"space\.client\.lrr: unknown config key"):
+        check_space({"client.lrr": ParamSpec(low=1e-4, high=1e-2)}, base)
+    with pytest.raises(ConfigError, match=r"space\.strategy\.sever_lr: unknown config key"):
+        check_space({"strategy.sever_lr": ParamSpec(low=1e-4, high=1e-2)}, base)
+    with pytest.raises(ConfigError, match=r"space\.client\.lr: empty or inverted range"):
+        parse_space({"client.lr": {"low": 1e-2, "high": 1e-4}}, "space")
+    with pytest.raises(ConfigError, match=r"space\.client\.lr: empty or inverted range"):
+        parse_space({"client.lr": {"low": 1e-2, "high": 1e-2}}, "space")
+    with pytest.raises(ConfigError, match=r"space\.client\.momentum: the value 1\.5 is not allowed"):
+        check_space({"client.momentum": ParamSpec(low=0.5, high=1.5)}, base)
+    with pytest.raises(ConfigError, match=r"--trials: must be at least 1"):
+        tune(raw, tmp_path / "zero", 0, console=Console(quiet=True))
+    with pytest.raises(ConfigError, match=r"task\.validation_fraction"):
+        tune(raw, tmp_path / "frac", 2, validation_fraction=1.5, console=Console(quiet=True))
+    tune(raw, tmp_path / "one", 1, console=Console(quiet=True))
+    with pytest.raises(ConfigError, match=r"TUNE_DIR: .* holds the study of another config"):
+        tune({**raw, "rounds": 2}, tmp_path / "one", 1, console=Console(quiet=True))
+
+
+def test_tune_cli_one_line_errors(toy: tuple[dict[str, Any], Path], tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from fedpeft.cli import main
+
+    raw, _ = toy
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    space = tmp_path / "space.yaml"
+    space.write_text("client.lr: {low: 0.01, high: 0.001, log: true}\n")
+    assert main(["tune", str(config), "--space", str(space), "--out", str(tmp_path / "x")]) == 2
+    assert "space.client.lr: empty or inverted range" in capsys.readouterr().out
+    assert main(["tune", str(config), "--trials", "0", "--out", str(tmp_path / "y")]) == 2
+    assert "--trials: must be at least 1" in capsys.readouterr().out
