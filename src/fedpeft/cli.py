@@ -157,15 +157,22 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
-    from fedpeft.config import build_config
     from fedpeft.sweep import run_sweep
 
-    def run_one(raw: dict, resume: bool) -> None:
-        cfg = build_config(raw)
-        run_experiment(cfg, Path(cfg.output.run_dir), console, args.data_dir, resume, plot=False)
+    sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print)
+    if sweep.is_benchmark:
+        from fedpeft.metrics.results import write_results
 
-    out_dir, dirs = run_sweep(Path(args.sweep), run_one)
-    _compare([str(d) for d in dirs], str(out_dir), args.target_accuracy, args.bandwidth, console,
+        command = " ".join(["fedpeft sweep", args.sweep, *(["--workers", str(args.workers)] if args.workers > 1
+                                                           else [])])
+        for path in write_results(sweep, command).values():
+            console.print(f"wrote {path}")
+        return 0
+    dirs = [str(run.run_dir) for run in sweep.runs if (run.run_dir / "metrics.jsonl").exists()]
+    if not dirs:
+        console.print("[red]no run finished[/]; see the logs in " + str(sweep.out_dir / "logs"))
+        return 1
+    _compare(dirs, str(sweep.out_dir), args.target_accuracy, args.bandwidth, console,
              f"fedpeft sweep {Path(args.sweep).name}")
     return 0
 
@@ -345,9 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(tune)
     tune.set_defaults(func=cmd_tune)
 
-    sweep = sub.add_parser("sweep", help="run a grid of experiments and compare them",
-                           description="Run methods x tasks x partitions x seeds from a sweep YAML, then compare")
+    sweep = sub.add_parser("sweep", help="run a grid or a benchmark (tune, seeds, ceiling, claims)",
+                           description="Run methods x tasks x partitions x seeds from a sweep YAML (tuning each "
+                                       "method on the same budget first when it has a tune: block), then compare, "
+                                       "or, for a benchmark (results_dir:), write its results JSON/markdown/figures "
+                                       "with a verdict per claim")
     sweep.add_argument("sweep", metavar="SWEEP.yaml")
+    sweep.add_argument("--workers", type=int, default=1, help="tunes/runs at a time (subprocesses)")
     sweep.add_argument("--data-dir", help="folder of the benchmark data")
     _add_report_args(sweep)
     sweep.set_defaults(func=cmd_sweep)

@@ -1,38 +1,184 @@
-"""Run a grid of experiments (methods x tasks x partitions x seeds) into one folder.
+"""Sweeps and benchmarks: methods x tasks x partitions x seeds, tuned on one budget, judged by claims.
 
-A sweep file::
+A sweep file is YAML. The simple form runs a grid and compares it::
 
     base: configs/demo_sst2_lora.yaml     # a config file, or an inline mapping
     out_dir: runs/sweep                   # each run goes to out_dir/<name>
     set: [rounds=5]                       # overrides applied to every run (optional)
     grid:                                 # dotted key -> list of values (a mapping merges)
       method: [lora, full]
-      partition: [{kind: iid}, {kind: dirichlet, alpha: 0.1}]
       seed: [0, 1]
 
-Runs whose ``summary.json`` exists are skipped, so an interrupted sweep continues where it
-stopped; a run with a checkpoint but no summary is resumed.
+A benchmark names its dimensions, and adds a tuning budget, a centralised ceiling and claims::
+
+    name: fedtt                           # results: RESULTS_DIR/fedtt.{json,md} and figures
+    results_dir: results                  # relative to this file (default: no results, a compare report)
+    base: {...}                           # shared by every run
+    tasks: {sst2: {task: {name: sst2}}}   # name -> config fragment, merged over base
+    methods: {lora_r8: {method: lora, adapter: {r: 8}}, fedtt: {method: fedtt}}
+    partitions: {iid: {partition: {kind: iid}}}
+    seeds: [0, 1, 2]
+    tune: {trials: 8, per: task}          # the SAME trial budget for every method (fedpeft.tune)
+    ceiling: {method: lora_r8, rounds: 4} # centralised runs of that method, per task
+    target: {sst2: 0.85}                  # absolute targets for rounds/bytes/time to target
+    bandwidth: 10/1                       # Mbps down/up for time to target
+    claims:
+      - {id: bytes, claim: "...", source: "Table 2", baseline: lora_r8,
+         check: "fedtt.uplink <= 0.2 * lora_r8.uplink and fedtt.final >= lora_r8.final - 0.01"}
+
+Fragments merge in the order base, task, method, partition (so every method of a comparison
+runs the partition's participation), then the tuned values, then the seed. With ``tune``, each
+method is tuned once per task (``per: task``, on ``tune.partition`` or the first partition) or
+once per cell (``per: cell``) with ``tune.trials`` trials on a validation split carved from the
+training data, and every run of the benchmark, tuned or not, trains without that split, so all
+methods see the same examples. Runs are subprocesses (``--workers`` at a time); finished runs
+and tunes are skipped and interrupted ones resumed, so a stopped benchmark continues where it
+stopped.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedpeft.config import ConfigError, apply_overrides, build_config
-from fedpeft.metrics.recorder import CHECKPOINT, SUMMARY
+from fedpeft.config import ConfigError, apply_overrides, build_config, deep_merge
+from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, SUMMARY
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TuneBlock(_Strict):
+    """One trial budget for every method of a benchmark (see :func:`fedpeft.tune.tune`)."""
+
+    trials: int = Field(gt=0)
+    rounds: int | None = Field(None, gt=0)
+    seed: int = 0
+    pruner: Literal["median", "halving", "none"] = "median"
+    validation_fraction: float = Field(0.1, gt=0, lt=1)
+    per: Literal["task", "cell"] = "task"
+    partition: str | None = None  # with per: task, the partition tuned on (default: the first)
+    space: dict[str, Any] | None = None  # one space for every method (default: each recipe's own)
+    spaces: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per method name
+    skip: list[str] = Field(default_factory=list)  # methods run as configured (e.g. a paper's fixed values)
+
+
+class CeilingBlock(_Strict):
+    """Centralised runs (one client, all the data, one epoch per round) of one method, per task."""
+
+    method: str
+    rounds: int = Field(gt=0)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+
+
+class ClaimSpec(_Strict):
+    """A paper's claim and its check (grammar and verdicts: :mod:`fedpeft.claims`)."""
+
+    id: str
+    claim: str
+    check: str
+    source: str = ""
+    baseline: str | None = None  # its centralised ceiling gates the verdict
+    where: dict[str, str] = Field(default_factory=dict)  # {task: ..., partition: ...}; default every cell
+
+
+class SweepFile(_Strict):
+    name: str | None = None
+    description: str = ""
+    base: str | dict[str, Any] = Field(default_factory=dict)
+    out_dir: str = "runs/sweep"
+    results_dir: str | None = None
+    set: list[str] = Field(default_factory=list)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    tasks: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    methods: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    partitions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    seeds: list[int] = Field(default_factory=list)
+    tune: TuneBlock | None = None
+    ceiling: CeilingBlock | None = None
+    target: float | dict[str, float] | None = None
+    bandwidth: str | None = None
+    claims: list[ClaimSpec] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+    @field_validator("grid")
+    @classmethod
+    def _non_empty(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if not all(isinstance(v, list) and v for v in grid.values()):
+            raise ValueError("expected a mapping of dotted keys to non-empty lists")
+        return grid
+
+    @field_validator("methods")
+    @classmethod
+    def _method_names(cls, methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name in methods:
+            if not name.isidentifier():
+                raise ValueError(f"method name {name!r} must be an identifier (letters, digits, _), as claims "
+                                 "refer to it")
+        return methods
 
 
 @dataclass
 class SweepRun:
+    """One run: its directory name, raw config and where it sits in the benchmark."""
+
     name: str
     raw: dict[str, Any]
+    method: str = ""
+    task: str = ""
+    partition: str = ""
+    seed: int = 0
+    ceiling: bool = False
+    tune_key: str | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.raw["output"]["run_dir"])
+
+
+@dataclass
+class TuneJob:
+    """What one tune searches: a method's raw config in one task (and partition)."""
+
+    method: str
+    raw: dict[str, Any]
+
+
+@dataclass
+class Sweep:
+    spec: SweepFile
+    path: Path | None
+    base: dict[str, Any]
+    runs: list[SweepRun] = field(default_factory=list)
+    tunes: dict[str, TuneJob] = field(default_factory=dict)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.spec.out_dir)
+
+    @property
+    def is_benchmark(self) -> bool:
+        return self.spec.results_dir is not None
+
+    def results_dir(self) -> Path:
+        folder = Path(self.spec.results_dir or ".")
+        return folder if folder.is_absolute() or self.path is None else self.path.parent / folder
+
+    def tune_dir(self, key: str) -> Path:
+        return self.out_dir / "tune" / key
 
 
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -52,9 +198,22 @@ def _label(value: Any) -> str:
     return str(value)
 
 
-def expand(sweep: dict[str, Any], sweep_path: Path | None = None) -> tuple[Path, list[SweepRun]]:
-    """The run directory and the list of (name, raw config) of a sweep file's grid."""
-    base = sweep.get("base", {})
+def load_sweep(path: Path) -> Sweep:
+    if not path.is_file():
+        raise ConfigError("SWEEP", f"file not found: {path}")
+    return expand(yaml.safe_load(path.read_text()) or {}, path)
+
+
+def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
+    """Every run of a sweep file (validated before any runs), and the tunes its runs wait for."""
+    try:
+        spec = SweepFile.model_validate(raw_file)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"sweep.{where}", message) from None
+    base = spec.base
     if isinstance(base, str):
         base_path = Path(base)
         if not base_path.is_file() and sweep_path is not None:
@@ -62,38 +221,187 @@ def expand(sweep: dict[str, Any], sweep_path: Path | None = None) -> tuple[Path,
         if not base_path.is_file():
             raise ConfigError("sweep.base", f"config file not found: {base}")
         base = yaml.safe_load(base_path.read_text()) or {}
-    grid = sweep.get("grid") or {}
-    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
-        raise ConfigError("sweep.grid", "expected a mapping of dotted keys to non-empty lists")
-    base = apply_overrides(base, list(sweep.get("set", [])))
-    out_dir = Path(sweep.get("out_dir", "runs/sweep"))
-    runs = []
-    keys = list(grid)
-    for values in itertools.product(*(grid[k] for k in keys)):
-        raw = copy.deepcopy(base)
-        parts = []
-        for key, value in zip(keys, values):
-            _set_path(raw, key, value)
-            parts.append(f"seed{value}" if key == "seed" else _label(value))
-        seed_last = [p for p in parts if not p.startswith("seed")] + [p for p in parts if p.startswith("seed")]
-        name = "_".join(seed_last).replace("/", "-")
-        raw.setdefault("output", {})["run_dir"] = str(out_dir / name)
-        build_config(raw)  # validate every point before running any
-        runs.append(SweepRun(name, raw))
-    return out_dir, runs
+    sweep = Sweep(spec, sweep_path, apply_overrides(base, spec.set))
+    _check_names(spec)
+    tasks = spec.tasks or {"": {}}
+    methods = spec.methods or {"": {}}
+    partitions = spec.partitions or {"": {}}
+    grid_keys = list(spec.grid)
+    seeds: list[int | None] = list(spec.seeds) or [None]
+    for task, method, partition in itertools.product(tasks, methods, partitions):
+        for values in itertools.product(*(spec.grid[k] for k in grid_keys)):
+            for seed in seeds:
+                sweep.runs.append(_point(sweep, task, method, partition, dict(zip(grid_keys, values)), seed))
+    if spec.ceiling is not None:
+        if spec.ceiling.method not in spec.methods:
+            raise ConfigError("sweep.ceiling.method", f"{spec.ceiling.method!r} is not one of sweep.methods")
+        for task in tasks:
+            for seed in spec.ceiling.seeds:
+                sweep.runs.append(_ceiling_point(sweep, task, seed))
+    for run in sweep.runs:
+        build_config(run.raw)  # validate every point before running any
+    return sweep
 
 
-def run_sweep(path: Path, run_one: Callable[[dict[str, Any], bool], None]) -> tuple[Path, list[Path]]:
-    """Run (or resume) every grid point with ``run_one(raw, resume)``; return the run dirs."""
+def _check_names(spec: SweepFile) -> None:
+    known = set(spec.methods)
+    for index, claim in enumerate(spec.claims):
+        from fedpeft.claims import references
+
+        for method, _, _ in references(claim.check):
+            if method not in known:
+                raise ConfigError(f"sweep.claims.{index}.check", f"{method!r} is not one of sweep.methods")
+        if claim.baseline is not None and claim.baseline not in known:
+            raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")
+    if spec.tune is not None:
+        for name in [*spec.tune.skip, *spec.tune.spaces]:
+            if name not in known:
+                raise ConfigError("sweep.tune", f"{name!r} is not one of sweep.methods")
+        if spec.tune.partition is not None and spec.tune.partition not in spec.partitions:
+            raise ConfigError("sweep.tune.partition", f"{spec.tune.partition!r} is not one of sweep.partitions")
+
+
+def _fragment(sweep: Sweep, task: str, method: str, partition: str) -> dict[str, Any]:
+    spec = sweep.spec
+    raw = copy.deepcopy(sweep.base)
+    for part in (spec.tasks.get(task, {}), spec.methods.get(method, {}), spec.partitions.get(partition, {})):
+        raw = deep_merge(raw, part)
+    if spec.tune is not None:  # every run trains without the validation split, tuned or not
+        raw.setdefault("task", {})["validation_fraction"] = spec.tune.validation_fraction
+    return raw
+
+
+def _tune_key(sweep: Sweep, task: str, method: str, partition: str) -> str | None:
+    tune = sweep.spec.tune
+    if tune is None or method in tune.skip:
+        return None
+    tuned_on = partition if tune.per == "cell" else tune.partition or next(iter(sweep.spec.partitions), "")
+    key = "_".join(part for part in (task, tuned_on, method) if part)
+    if key not in sweep.tunes:
+        raw = _fragment(sweep, task, method, tuned_on)
+        raw["seed"] = tune.seed
+        sweep.tunes[key] = TuneJob(method, raw)
+    return key
+
+
+def _point(sweep: Sweep, task: str, method: str, partition: str, grid: dict[str, Any], seed: int | None
+           ) -> SweepRun:
+    raw = _fragment(sweep, task, method, partition)
+    labels = [task, partition, method] if sweep.spec.methods or sweep.spec.tasks or sweep.spec.partitions else []
+    for key, value in grid.items():
+        _set_path(raw, key, value)
+        if key != "seed":
+            labels.append(_label(value))
+    if "seed" in grid:
+        seed = grid["seed"]
+    if seed is not None:
+        raw["seed"] = seed
+    variant = "_".join(part for part in labels[2:] if part) if sweep.spec.methods else \
+        "_".join(label for label in labels if label) or str(raw.get("method", "lora"))
+    name = "_".join(part for part in labels if part) or str(raw.get("method", "lora"))
+    if seed is not None:
+        name += f"_seed{seed}"
+    name = name.replace("/", "-")
+    raw.setdefault("output", {}).update(run_dir=str(sweep.out_dir / name), progress=False)
+    return SweepRun(name, raw, method=variant, task=task, partition=partition, seed=int(raw.get("seed", 0)),
+                    tune_key=_tune_key(sweep, task, method, partition))
+
+
+def _ceiling_point(sweep: Sweep, task: str, seed: int) -> SweepRun:
+    ceiling = sweep.spec.ceiling
+    assert ceiling is not None
+    first_partition = next(iter(sweep.spec.partitions), "")
+    raw = _fragment(sweep, task, ceiling.method, first_partition)
+    raw["partition"] = {"kind": "centralized"}
+    raw["rounds"] = ceiling.rounds
+    raw["seed"] = seed
+    name = "_".join(part for part in (task, "centralized", ceiling.method) if part) + f"_seed{seed}"
+    raw.setdefault("output", {}).update(run_dir=str(sweep.out_dir / name), progress=False)
+    return SweepRun(name, raw, method=ceiling.method, task=task, partition="centralized", seed=seed, ceiling=True,
+                    tune_key=_tune_key(sweep, task, ceiling.method, first_partition))
+
+
+def tuned_values(sweep: Sweep, key: str) -> dict[str, Any]:
+    """The best values a finished tune chose (its ``tune.json``)."""
+    path = sweep.tune_dir(key) / "tune.json"
     if not path.is_file():
-        raise ConfigError("SWEEP", f"file not found: {path}")
-    sweep = yaml.safe_load(path.read_text()) or {}
-    out_dir, runs = expand(sweep, path)
-    dirs = []
-    for run in runs:
-        run_dir = Path(run.raw["output"]["run_dir"])
-        dirs.append(run_dir)
-        if (run_dir / SUMMARY).exists():
-            continue
-        run_one(run.raw, (run_dir / CHECKPOINT).exists())
-    return out_dir, dirs
+        raise ConfigError("sweep.tune", f"the tune {key} has not finished ({path} is missing)")
+    return dict(json.loads(path.read_text())["best_params"])
+
+
+def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
+    """The run's raw config with its method's tuned values (tuned values under the seed's)."""
+    from fedpeft.tune import set_dotted
+
+    raw = run.raw
+    if run.tune_key is not None:
+        for key, value in tuned_values(sweep, run.tune_key).items():
+            raw = set_dotted(raw, key, value)
+    return raw
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / SUMMARY).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution: each tune and run is a subprocess of `fedpeft`, `workers` at a time
+
+
+def _fedpeft(args: list[str], log: Path) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("a") as handle:
+        return subprocess.run([sys.executable, "-m", "fedpeft", *args], stdout=handle, stderr=subprocess.STDOUT,
+                              env=env).returncode
+
+
+def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
+              say: Callable[[str], None] = print) -> Sweep:
+    """Tune (once per method and task or cell), then run every seed and ceiling; skip what is done."""
+    sweep = load_sweep(path)
+    configs = sweep.out_dir / "configs"
+    logs = sweep.out_dir / "logs"
+    extra = ["--data-dir", data_dir] if data_dir else []
+
+    def do_tune(key: str) -> None:
+        if (sweep.tune_dir(key) / "tune.json").exists():
+            return
+        tune = sweep.spec.tune
+        assert tune is not None
+        job = sweep.tunes[key]
+        config = configs / f"tune_{key}.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(yaml.safe_dump(job.raw, sort_keys=False))
+        args = ["tune", str(config), "--trials", str(tune.trials), "--out", str(sweep.tune_dir(key)), "--seed",
+                str(tune.seed), "--pruner", tune.pruner, "--validation-fraction", str(tune.validation_fraction)]
+        space = tune.spaces.get(job.method, tune.space)
+        if space is not None:
+            space_file = configs / f"space_{key}.yaml"
+            space_file.write_text(yaml.safe_dump(space))
+            args += ["--space", str(space_file)]
+        if tune.rounds is not None:
+            args += ["--rounds", str(tune.rounds)]
+        code = _fedpeft(args + extra, logs / f"tune_{key}.log")
+        say(f"tune {key}: " + ("done" if code == 0 else f"failed (see {logs / f'tune_{key}.log'})"))
+
+    def do_run(run: SweepRun) -> None:
+        if finished(run.run_dir):
+            return
+        try:
+            raw = with_tuned(sweep, run)
+        except ConfigError as err:
+            say(f"{run.name}: skipped ({err})")
+            return
+        config = configs / f"{run.name}.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+        resume = (run.run_dir / CONFIG).exists() or (run.run_dir / CHECKPOINT).exists()
+        args = ["run", str(config), *(["--resume", str(run.run_dir)] if resume else ["--run-dir", str(run.run_dir)])]
+        code = _fedpeft(args + extra, logs / f"{run.name}.log")
+        say(f"{run.name}: " + ("done" if code == 0 else f"failed (see {logs / f'{run.name}.log'})"))
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(do_tune, sorted(sweep.tunes)))
+        list(pool.map(do_run, sweep.runs))
+    return sweep

@@ -189,8 +189,9 @@ SEED_KEYS = ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target
 
 def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (task, partition, method, run name without its seed): the mean, the sample
-    standard deviation (``*_std``) and, for the best and final metric, the 95% interval
-    (``*_ci``: t over seeds, or the binomial interval of a single seed's eval size)."""
+    standard deviation (``*_std``) and the 95% interval (``*_ci``: t over seeds; for the best and
+    final metric of a single seed, the binomial interval of its eval size). Rounds, bytes and time
+    to target are null unless every seed reached the target."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["task"], row["partition"], row["method"], row["run"].rsplit("_seed", 1)[0]),
@@ -201,16 +202,21 @@ def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         merged: dict[str, Any] = {"run": name, "task": task, "partition": partition, "method": method,
                                   "seeds": [m["seed"] for m in members], "metric": metric,
                                   "eval_examples": members[0].get("eval_examples")}
+        merged["seeds_reaching_target"] = sum(m.get("rounds_to_target") is not None for m in members)
         for key in SEED_KEYS:
             values = [m[key] for m in members if m.get(key) is not None]
+            if key.endswith("_to_target") and len(values) < len(members):
+                values = []  # a mean over only the seeds that got there would flatter the method
             merged[key] = _mean(values) if values else None
             merged[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
-            if key in ("best_metric", "final_metric") and values:
+            if not values:
+                continue
+            if key in ("best_metric", "final_metric"):
                 interval = estimate(values, merged["eval_examples"], metric not in NOT_FRACTIONS)
-                merged[f"{key}_ci"] = [interval.low, interval.high]
                 merged["interval"] = interval.kind
-        # a time/bytes/rounds-to-target mean over the seeds that reached it: say how many did
-        merged["seeds_reaching_target"] = sum(m.get("rounds_to_target") is not None for m in members)
+            else:
+                interval = estimate(values, None, fraction=False)
+            merged[f"{key}_ci"] = [interval.low, interval.high]
         for key in ("trainable_params", "client_flops_per_step", "target", "rounds", "clients", "clients_per_round"):
             merged[key] = members[0].get(key)
         out.append(merged)

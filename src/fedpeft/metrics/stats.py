@@ -60,7 +60,10 @@ def estimate(values: Sequence[float], eval_examples: int | None = None, fraction
     mean = statistics.fmean(values)
     if len(values) > 1:
         half = t_halfwidth(values)
-        return Estimate(mean, statistics.stdev(values), mean - half, mean + half, len(values), "t")
+        low, high = mean - half, mean + half
+        if fraction and all(0.0 <= v <= 1.0 for v in values):  # a fraction's interval stays inside [0, 1]
+            low, high = max(low, 0.0), min(high, 1.0)
+        return Estimate(mean, statistics.stdev(values), low, high, len(values), "t")
     if eval_examples and fraction and 0.0 <= mean <= 1.0:
         half = binomial_halfwidth(mean, eval_examples)
         return Estimate(mean, 0.0, mean - half, mean + half, 1, "binomial")

@@ -1,0 +1,203 @@
+"""A paper's claim as a check over benchmark results, judged with intervals.
+
+A claim's ``check`` is an expression over the methods of one task/partition cell, e.g.
+``fedtt.uplink <= 0.2 * lora_r8.uplink and fedtt.final >= lora_r8.final - 0.01``. A reference is
+``METHOD.QUANTITY`` (``METHOD`` a method name of the benchmark), or ``METHOD["PARTITION"].QUANTITY``
+/ ``METHOD["TASK", "PARTITION"].QUANTITY`` to reach another cell (``federa["iid"].final -
+federa["dirichlet0.1"].final``). Quantities: ``final``, ``best`` (the metric), ``uplink``,
+``downlink`` (bytes per client and round), ``total_bytes``, ``params``, ``flops`` (client FLOPs per
+step), ``rounds_to_target``, ``bytes_to_target``, ``time_to_target`` (simulated seconds), ``wall``,
+or any other numeric field of a result row.
+
+Every quantity is an interval (the 95% interval over seeds for the metric, see
+:mod:`fedpeft.metrics.stats`; over seeds likewise for the others, which are often exact). The
+expression is evaluated with interval arithmetic; a comparison ``L >= R`` is **confirmed** when
+it holds at the pessimistic end (lower(L - R) >= 0), **refuted** when it fails even at the
+optimistic end (upper(L - R) < 0), else **within noise**; ``and`` is confirmed when every part is,
+refuted when any part is. A claim is **not reached** when its ``baseline`` ends below 90% of its
+centralised ceiling (no conclusion at a budget where the baseline has not learned), or when a
+quantity is missing (e.g. a target never reached).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedpeft.config import ConfigError
+
+CONFIRMED, REFUTED, WITHIN_NOISE, NOT_REACHED = "confirmed", "refuted", "within noise", "not reached"
+CEILING_FRACTION = 0.9
+
+QUANTITIES = {
+    "final": "final_metric", "best": "best_metric", "uplink": "uplink_bytes_per_client_round",
+    "downlink": "downlink_bytes_per_client_round", "params": "trainable_params", "flops": "client_flops_per_step",
+    "time_to_target": "seconds_to_target", "wall": "wall_seconds",
+}
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    mid: float
+    high: float
+
+    @classmethod
+    def exact(cls, value: float) -> Interval:
+        return cls(value, value, value)
+
+    def __add__(self, other: Interval) -> Interval:
+        return Interval(self.low + other.low, self.mid + other.mid, self.high + other.high)
+
+    def __sub__(self, other: Interval) -> Interval:
+        return Interval(self.low - other.high, self.mid - other.mid, self.high - other.low)
+
+    def __mul__(self, other: Interval) -> Interval:
+        ends = [a * b for a in (self.low, self.high) for b in (other.low, other.high)]
+        return Interval(min(ends), self.mid * other.mid, max(ends))
+
+    def __truediv__(self, other: Interval) -> Interval:
+        if other.low <= 0 <= other.high:
+            raise ZeroDivisionError("division by an interval that holds 0")
+        ends = [a / b for a in (self.low, self.high) for b in (other.low, other.high)]
+        return Interval(min(ends), self.mid / other.mid, max(ends))
+
+    def __neg__(self) -> Interval:
+        return Interval(-self.high, -self.mid, -self.low)
+
+
+class Missing(Exception):
+    """A quantity the check needs has no value (a method not run, a target never reached)."""
+
+
+Lookup = Callable[[str, tuple[str, ...], str], Interval]
+"""(method, (task, partition) or (partition,) or (), quantity) -> its interval."""
+
+
+@dataclass
+class Judgement:
+    verdict: str
+    values: dict[str, float]  # each reference's mean, for the report
+    why: str = ""
+
+
+def references(check: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """The (method, cell selector, quantity) triples a check reads; raises ConfigError on bad syntax."""
+    tree = _parse(check)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            out.append(_reference(node, check))
+    return out
+
+
+def _parse(check: str) -> ast.Expression:
+    try:
+        tree = ast.parse(check, mode="eval")
+    except SyntaxError as err:
+        raise ConfigError("claims.check", f"cannot parse {check!r}: {err.msg}") from None
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.Compare, ast.BinOp, ast.UnaryOp,
+                                 ast.USub, ast.UAdd, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Constant, ast.Name,
+                                 ast.Attribute, ast.Subscript, ast.Tuple, ast.Load, ast.Gt, ast.GtE, ast.Lt,
+                                 ast.LtE)):
+            raise ConfigError("claims.check", f"{type(node).__name__} is not allowed in {check!r} (use METHOD."
+                                              "QUANTITY, numbers, + - * /, comparisons, and/or)")
+    return tree
+
+
+def _reference(node: ast.Attribute, check: str) -> tuple[str, tuple[str, ...], str]:
+    target = node.value
+    selector: tuple[str, ...] = ()
+    if isinstance(target, ast.Subscript):
+        keys = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys) or len(keys) > 2:
+            raise ConfigError("claims.check", f"in {check!r} a cell is [\"PARTITION\"] or [\"TASK\", \"PARTITION\"]")
+        selector = tuple(k.value for k in keys)
+        target = target.value
+    if not isinstance(target, ast.Name):
+        raise ConfigError("claims.check", f"in {check!r} a reference is METHOD.QUANTITY")
+    return target.id, selector, node.attr
+
+
+def judge(check: str, lookup: Lookup) -> Judgement:
+    """Evaluate ``check`` with intervals; ``lookup`` raises :class:`Missing` for absent values."""
+    tree = _parse(check)
+    values: dict[str, float] = {}
+
+    def value(node: ast.AST) -> Interval:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+            return Interval.exact(float(node.value))
+        if isinstance(node, ast.Attribute):
+            method, selector, quantity = _reference(node, check)
+            interval = lookup(method, selector, quantity)
+            values[ast.unparse(node)] = interval.mid
+            return interval
+        if isinstance(node, ast.UnaryOp):
+            inner = value(node.operand)
+            return -inner if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp):
+            ops: dict[type, Callable[[Interval, Interval], Interval]] = {
+                ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ConfigError("claims.check", f"{ast.unparse(node)!r} is not a number or METHOD.QUANTITY in {check!r}")
+
+    def verdict(node: ast.AST) -> str:
+        if isinstance(node, ast.BoolOp):
+            parts = [verdict(v) for v in node.values]
+            if isinstance(node.op, ast.And):
+                return _all_of(parts)
+            return CONFIRMED if CONFIRMED in parts else REFUTED if all(p == REFUTED for p in parts) else WITHIN_NOISE
+        if isinstance(node, ast.Compare):
+            left, out = value(node.left), []
+            for op, right_node in zip(node.ops, node.comparators):
+                right = value(right_node)
+                gap = left - right if isinstance(op, ast.Gt | ast.GtE) else right - left
+                strict = isinstance(op, ast.Gt | ast.Lt)
+                holds_low = gap.low > 0 if strict else gap.low >= 0
+                fails_high = gap.high <= 0 if strict else gap.high < 0
+                out.append(CONFIRMED if holds_low else REFUTED if fails_high else WITHIN_NOISE)
+                left = right
+            return _all_of(out)
+        raise ConfigError("claims.check", f"{check!r} must be a comparison (or comparisons joined by and/or)")
+
+    try:
+        result = verdict(tree.body)
+    except Missing as err:
+        return Judgement(NOT_REACHED, values, str(err))
+    except ZeroDivisionError as err:
+        return Judgement(WITHIN_NOISE, values, str(err))
+    return Judgement(result, values)
+
+
+def _all_of(parts: list[str]) -> str:
+    """Verdict of parts that must all hold: refuted if any is, confirmed if all are."""
+    return REFUTED if REFUTED in parts else CONFIRMED if all(p == CONFIRMED for p in parts) else WITHIN_NOISE
+
+
+def gate(judgement: Judgement, baseline: str | None, baseline_final: float | None,
+         ceiling: float | None) -> Judgement:
+    """No verdict where the claim's baseline ended below 90% of its centralised ceiling."""
+    if baseline is None or baseline_final is None or ceiling is None:
+        return judgement
+    if baseline_final < CEILING_FRACTION * ceiling:
+        return Judgement(NOT_REACHED, judgement.values,
+                         f"baseline {baseline} ended at {baseline_final:.3f}, below 90% of its centralised ceiling "
+                         f"{ceiling:.3f} (the check alone says: {judgement.verdict})")
+    return judgement
+
+
+def row_interval(row: Mapping[str, Any], quantity: str) -> Interval:
+    """A result row's quantity as an interval (its ``*_ci`` when it has one)."""
+    key = QUANTITIES.get(quantity, quantity)
+    value = row.get(key)
+    if value is None:
+        raise Missing(f"{row.get('variant', row.get('method'))} has no {quantity}"
+                      + (" (target never reached)" if "target" in key else ""))
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigError("claims.check", f"{quantity} is not a number in the results")
+    ci = row.get(f"{key}_ci")
+    return Interval(float(ci[0]), float(value), float(ci[1])) if ci else Interval.exact(float(value))

@@ -1,0 +1,283 @@
+"""A benchmark's results: the SPEC-format JSON, a markdown report with a verdict per claim, figures.
+
+Rows: one per (task, partition, method, seed) with the SPEC's fields; ``summary`` aggregates the
+seeds (mean, std, 95% interval; :func:`fedpeft.metrics.compare.aggregate_seeds`), ``ceilings``
+holds the centralised runs, ``claims`` each claim's verdict per cell (:mod:`fedpeft.claims`),
+``tuning`` what each method's tune chose. Every file starts with the command that made it.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from fedpeft.claims import CEILING_FRACTION, Judgement, Missing, gate, judge, row_interval
+from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
+from fedpeft.metrics.report import band, metric_cell
+from fedpeft.metrics.summary import human_bytes
+from fedpeft.sweep import Sweep, SweepRun
+
+SPEC_FIELDS = ("task", "partition", "method", "recipe", "seed", "rounds", "clients", "clients_per_round", "metric",
+               "eval_examples", "best_metric", "final_metric", "start_metric", "trainable_params",
+               "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "total_bytes", "target",
+               "rounds_to_target", "bytes_to_target", "simulated_seconds_to_target", "wall_seconds",
+               "client_flops_per_step")
+
+
+def _target(sweep: Sweep, task: str) -> float | None:
+    target = sweep.spec.target
+    return target.get(task) if isinstance(target, dict) else target
+
+
+def seed_row(sweep: Sweep, run: SweepRun, loaded: Run) -> dict[str, Any]:
+    """A run's SPEC row: named by the benchmark's task/partition/method names, the recipe beside it."""
+    link = Bandwidth.parse(sweep.spec.bandwidth) if sweep.spec.bandwidth else None
+    row = run_row(loaded, _target(sweep, run.task), link)
+    row.update(task=run.task or row["task"], partition=run.partition or row["partition"], method=run.method,
+               recipe=loaded.method, seed=run.seed, run=run.name)
+    row["simulated_seconds_to_target"] = row["seconds_to_target"] if row["time_kind"] == "simulated" else None
+    return row
+
+
+def collect(sweep: Sweep) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(federated rows, ceiling rows, runs not finished) of the sweep's run directories."""
+    rows, ceilings, missing = [], [], []
+    for run in sweep.runs:
+        if not (run.run_dir / "summary.json").exists():
+            missing.append(run.name)
+            continue
+        (ceilings if run.ceiling else rows).append(seed_row(sweep, run, load_run(run.run_dir)))
+    return rows, ceilings, missing
+
+
+def ceiling_of(ceilings: Sequence[dict[str, Any]], task: str) -> float | None:
+    """The centralised reference of ``task``: the mean over seeds of the best metric."""
+    values = [r["best_metric"] for r in ceilings if r["task"] == task and r["best_metric"] is not None]
+    return statistics.fmean(values) if values else None
+
+
+def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequence[dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    """Each claim's verdict in each cell it applies to (``where``, else every cell)."""
+    index = {(r["task"], r["partition"], r["method"]): r for r in summary}
+    cells = sorted({(r["task"], r["partition"]) for r in summary})
+    out = []
+    for claim in sweep.spec.claims:
+        judged = []
+        for task, partition in cells:
+            if claim.where.get("task", task) != task or claim.where.get("partition", partition) != partition:
+                continue
+
+            def lookup(method: str, selector: tuple[str, ...], quantity: str, task: str = task,
+                       partition: str = partition) -> Any:
+                cell = (task, *selector) if len(selector) == 1 else selector or (task, partition)
+                row = index.get((cell[0], cell[1], method))
+                if row is None:
+                    raise Missing(f"{method} has no results in {cell[0]}/{cell[1]}")
+                return row_interval(row, quantity)
+
+            judgement: Judgement = judge(claim.check, lookup)
+            base_row = index.get((task, partition, claim.baseline)) if claim.baseline else None
+            judgement = gate(judgement, claim.baseline, base_row["final_metric"] if base_row else None,
+                             ceiling_of(ceilings, task))
+            judged.append({"task": task, "partition": partition, "verdict": judgement.verdict,
+                           "values": judgement.values, "why": judgement.why})
+        out.append({"id": claim.id, "claim": claim.claim, "source": claim.source, "check": claim.check,
+                    "baseline": claim.baseline, "cells": judged})
+    return out
+
+
+def tuning_summary(sweep: Sweep) -> dict[str, Any]:
+    out = {}
+    for key in sorted(sweep.tunes):
+        path = sweep.tune_dir(key) / "tune.json"
+        if path.is_file():
+            data = json.loads(path.read_text())
+            out[key] = {k: data[k] for k in ("best_params", "best_value", "metric", "trials", "complete", "pruned",
+                                             "failed", "seconds")}
+    return out
+
+
+def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
+    """Write ``NAME.json``, ``NAME.md`` and the figures into the sweep's results folder."""
+    name = sweep.spec.name or "benchmark"
+    folder = sweep.results_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, ceiling_rows, missing = collect(sweep)
+    summary = aggregate_seeds(rows)
+    mark_noise(summary)
+    ceilings = aggregate_seeds(ceiling_rows)
+    claims = judge_claims(sweep, summary, ceiling_rows)
+    machine = f"{platform.machine()}, {platform.processor() or platform.system()}, python {platform.python_version()}"
+    data = {
+        "benchmark": name, "command": command, "machine": machine, "description": sweep.spec.description,
+        "target": sweep.spec.target, "bandwidth": sweep.spec.bandwidth,
+        "tune": None if sweep.spec.tune is None else sweep.spec.tune.model_dump(),
+        "rows": [{k: r.get(k) for k in SPEC_FIELDS} for r in rows],
+        "summary": summary, "ceilings": ceilings, "claims": claims, "tuning": tuning_summary(sweep),
+        "missing_runs": missing, "notes": sweep.spec.notes,
+    }
+    paths = {"json": folder / f"{name}.json", "md": folder / f"{name}.md"}
+    paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
+    figures = _figures(sweep, folder, name, summary, ceilings, command)
+    paths["md"].write_text(markdown(data, figures))
+    return {**paths, **{f"png{i}": p for i, p in enumerate(figures)}}
+
+
+def _cell_title(task: str, partition: str) -> str:
+    return f"{task} / {partition}" if partition else task
+
+
+def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
+    lines = [f"<!-- command: {data['command']} -->", f"# Benchmark `{data['benchmark']}`", "",
+             f"Command: `{data['command']}`  ", f"Machine: {data['machine']}", ""]
+    if data["description"]:
+        lines += [data["description"].strip(), ""]
+    tune = data["tune"]
+    if tune:
+        lines += [f"Tuning: every method got the same budget, {tune['trials']} trials of `fedpeft tune` "
+                  f"(TPE, {tune['pruner']} pruning, seed {tune['seed']}) per {tune['per']}, on a validation split of "
+                  f"{tune['validation_fraction']:.0%} of the training data (never the eval split); every run then "
+                  "trains without that split." + (f" Not tuned: {', '.join(tune['skip'])}." if tune["skip"] else ""),
+                  ""]
+    target = data["target"]
+    if target is not None:
+        lines += [f"Target (rounds/bytes/time to target): {target}" +
+                  (f"; time simulated at {data['bandwidth']} Mbps down/up plus each client's measured compute"
+                   if data["bandwidth"] else ""), ""]
+    lines += ["Values: mean ± std over seeds [95% interval: t over seeds; one seed: binomial from the eval size]. "
+              "'within noise': the final interval overlaps the best method's in the same cell.", ""]
+    ceilings = {r["task"]: r for r in data["ceilings"]}
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in data["summary"]:
+        cells.setdefault((row["task"], row["partition"]), []).append(row)
+    for (task, partition), rows in cells.items():
+        metric = rows[0]["metric"]
+        lines += [f"## {_cell_title(task, partition)}", ""]
+        if task in ceilings:
+            c = ceilings[task]
+            lines += [f"Centralised ceiling ({c['method']}, {c['rounds']} epochs): best {metric} "
+                      f"{metric_cell(c, 'best_metric')}; 90% of it: {CEILING_FRACTION * c['best_metric']:.3f}.", ""]
+        lines += [f"| method | eval n | seeds | trainable params | final {metric} | best {metric} | final vs best | "
+                  "uplink / client / round | rounds to target | time to target |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(rows, key=lambda r: -(r["final_metric"] or 0)):
+            reached = f"{r['seeds_reaching_target']}/{len(r['seeds'])}"
+            lines.append(
+                f"| `{r['method']}` | {r.get('eval_examples') or '-'} | {len(r['seeds'])} | "
+                f"{r['trainable_params']:,} | {metric_cell(r, 'final_metric')} | {metric_cell(r, 'best_metric')} | "
+                f"{r.get('vs_best', '-')} | {human_bytes(r['uplink_bytes_per_client_round'] or 0)} | "
+                f"{_fmt_opt(r['rounds_to_target'])} ({reached}) | {_fmt_seconds(r['seconds_to_target'])} |")
+        lines.append("")
+    if data["tuning"]:
+        lines += ["## Tuning", "", "| tune | chosen | validation metric | trials (complete / pruned / failed) | "
+                  "CPU time |", "|---|---|---|---|---|"]
+        for key, t in data["tuning"].items():
+            chosen = ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
+                               for k, v in t["best_params"].items())
+            lines.append(f"| {key} | {chosen} | {t['best_value']:.4f} | {t['trials']} ({t['complete']} / "
+                         f"{t['pruned']} / {t['failed']}) | {t['seconds'] / 60:.0f} min |")
+        lines.append("")
+    if data["claims"]:
+        lines += ["## Claims", "", "Verdicts: **confirmed** (holds at the pessimistic end of the intervals), "
+                  "**refuted** (fails even at the optimistic end), **within noise** (the intervals straddle it), "
+                  "**not reached** (the baseline ended below 90% of its centralised ceiling, or a value is missing).",
+                  "", "| claim | source | check | cell | verdict | values |", "|---|---|---|---|---|---|"]
+        for claim in data["claims"]:
+            for cell in claim["cells"] or [{"task": "-", "partition": "-", "verdict": "not reached", "values": {},
+                                            "why": "no cell has results"}]:
+                values = ", ".join(f"{k} = {_fmt_number(v)}" for k, v in cell["values"].items())
+                why = f" ({cell['why']})" if cell["why"] else ""
+                lines.append(f"| {claim['claim']} | {claim['source']} | `{claim['check']}` | "
+                             f"{_cell_title(cell['task'], cell['partition'])} | **{cell['verdict']}**{why} | "
+                             f"{values} |")
+        lines.append("")
+    if data["missing_runs"]:
+        lines += [f"Not finished (left out): {', '.join(data['missing_runs'])}", ""]
+    for note in data["notes"]:
+        lines += [note.strip(), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_opt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min"
+
+
+def _fmt_number(value: float) -> str:
+    return f"{value:.4g}" if abs(value) < 1e4 else human_bytes(value) if value < 1e12 else f"{value:.3g}"
+
+
+def _footer(fig: Any, command: str) -> None:
+    """Every figure says which command made it (bands: 95% intervals over seeds)."""
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.text(0.01, 0.01, f"{command}   (bands and bars: 95% intervals)", fontsize=7, color="#555")
+
+
+def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, Any]],
+             ceilings: Sequence[dict[str, Any]], command: str) -> list[Path]:
+    """Per cell: the metric per round (mean and 95% band per method, the ceiling as a dashed line); and
+    the final metric (with its interval) against uplink bytes per client and round."""
+    by_cell: dict[tuple[str, str], dict[str, list[Run]]] = {}
+    for run in sweep.runs:
+        if run.ceiling or not (run.run_dir / "summary.json").exists():
+            continue
+        by_cell.setdefault((run.task, run.partition), {}).setdefault(run.method, []).append(load_run(run.run_dir))
+    if not by_cell:
+        return []
+    ceiling = {r["task"]: r["best_metric"] for r in ceilings}
+    columns = min(3, len(by_cell))
+    rows_n = (len(by_cell) + columns - 1) // columns
+    fig, axes = plt.subplots(rows_n, columns, figsize=(5.2 * columns, 3.8 * rows_n), squeeze=False)
+    for ax, ((task, partition), methods) in zip(axes.flat, sorted(by_cell.items())):
+        metric = next(iter(methods.values()))[0].metric
+        for method, runs in methods.items():
+            rounds, means, lows, highs = band(runs, metric)
+            line, = ax.plot(rounds, means, marker=".", ms=4, label=f"{method} ({len(runs)})")
+            ax.fill_between(rounds, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
+        if ceiling.get(task) is not None:
+            ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
+        ax.set(title=_cell_title(task, partition), xlabel="round", ylabel=metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(by_cell):]:
+        ax.set_visible(False)
+    _footer(fig, command)
+    curves = folder / f"{name}_curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+
+    cells = sorted({(r["task"], r["partition"]) for r in summary})
+    fig, axes = plt.subplots(1, len(cells), figsize=(5.2 * len(cells), 3.8), squeeze=False)
+    for ax, (task, partition) in zip(axes[0], cells):
+        for row in (r for r in summary if (r["task"], r["partition"]) == (task, partition)):
+            ci = row.get("final_metric_ci") or [row["final_metric"]] * 2
+            ax.errorbar(row["uplink_bytes_per_client_round"], row["final_metric"],
+                        yerr=[[row["final_metric"] - ci[0]], [ci[1] - row["final_metric"]]], fmt="o", capsize=3,
+                        label=row["method"])
+        if ceiling.get(task) is not None:
+            ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
+        ax.set_xscale("log")
+        ax.set(title=_cell_title(task, partition), xlabel="uplink bytes / client / round", ylabel="final metric")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _footer(fig, command)
+    tradeoff = folder / f"{name}_tradeoff.png"
+    fig.savefig(tradeoff, dpi=110)
+    plt.close(fig)
+    return [curves, tradeoff]

@@ -1,0 +1,81 @@
+"""Claims: each verdict on hand-made results; the grammar and its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedpeft.claims import (
+    CONFIRMED,
+    NOT_REACHED,
+    REFUTED,
+    WITHIN_NOISE,
+    Interval,
+    Missing,
+    gate,
+    judge,
+    references,
+    row_interval,
+)
+from fedpeft.config import ConfigError
+
+ROWS = {
+    ("iid", "lora"): {"method": "lora", "final_metric": 0.85, "final_metric_ci": [0.83, 0.87],
+                      "uplink_bytes_per_client_round": 300_000.0, "seconds_to_target": 100.0},
+    ("iid", "tt"): {"method": "tt", "final_metric": 0.845, "final_metric_ci": [0.835, 0.855],
+                    "uplink_bytes_per_client_round": 50_000.0, "seconds_to_target": None},
+    ("iid", "weak"): {"method": "weak", "final_metric": 0.70, "final_metric_ci": [0.69, 0.71],
+                      "uplink_bytes_per_client_round": 1_000.0},
+    ("skew", "lora"): {"method": "lora", "final_metric": 0.75, "final_metric_ci": [0.74, 0.76]},
+    ("skew", "tt"): {"method": "tt", "final_metric": 0.80, "final_metric_ci": [0.79, 0.81]},
+}
+
+
+def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Interval:
+    partition = selector[-1] if selector else "iid"
+    row = ROWS.get((partition, method))
+    if row is None:
+        raise Missing(f"no {method}")
+    return row_interval(row, quantity)
+
+
+@pytest.mark.parametrize("check,verdict", [
+    ("tt.uplink <= 0.2 * lora.uplink", CONFIRMED),                        # 50k <= 60k exactly
+    ("tt.uplink <= 0.1 * lora.uplink", REFUTED),                          # 50k > 30k exactly
+    ("tt.final >= lora.final - 0.01", WITHIN_NOISE),                      # [-0.025, +0.035] straddles 0
+    ("weak.final >= lora.final - 0.01", REFUTED),                         # even optimistically 0.71 < 0.82
+    ("lora.final > weak.final", CONFIRMED),                               # 0.83 > 0.71 at the pessimistic end
+    ("tt.uplink <= 0.2 * lora.uplink and weak.final >= lora.final", REFUTED),
+    ("tt.uplink <= 0.2 * lora.uplink and tt.final >= lora.final - 0.01", WITHIN_NOISE),
+    ("tt.uplink <= 0.1 * lora.uplink or lora.final > weak.final", CONFIRMED),
+    # the drop from iid to skew: tt loses 0.045 [0.025, 0.065], lora 0.10 [0.07, 0.13]
+    ('tt["iid"].final - tt["skew"].final < lora["iid"].final - lora["skew"].final', CONFIRMED),
+    ("tt.time_to_target <= lora.time_to_target", NOT_REACHED),            # tt never reached the target
+    ("ghost.final >= lora.final", NOT_REACHED),
+])
+def test_verdicts_on_hand_made_results(check: str, verdict: str) -> None:
+    assert judge(check, lookup).verdict == verdict
+
+
+def test_values_are_reported_and_gate_needs_the_ceiling() -> None:
+    judgement = judge("tt.final >= lora.final - 0.01", lookup)
+    assert judgement.values == {"tt.final": 0.845, "lora.final": 0.85}
+    gated = gate(judgement, "lora", 0.85, ceiling=0.96)  # 0.85 < 0.9 * 0.96 = 0.864
+    assert gated.verdict == NOT_REACHED and "below 90% of its centralised ceiling" in gated.why
+    assert gate(judgement, "lora", 0.85, ceiling=0.93).verdict == WITHIN_NOISE  # 0.85 >= 0.837
+    assert gate(judgement, "lora", 0.85, ceiling=None).verdict == WITHIN_NOISE
+
+
+def test_interval_arithmetic() -> None:
+    a, b = Interval(1.0, 2.0, 3.0), Interval(-1.0, 1.0, 2.0)
+    assert a - b == Interval(-1.0, 1.0, 4.0)
+    assert a * b == Interval(-3.0, 2.0, 6.0)
+    assert (a / Interval(1.0, 2.0, 4.0)) == Interval(0.25, 1.0, 3.0)
+    with pytest.raises(ZeroDivisionError):
+        a / b
+
+
+def test_grammar_errors_name_the_field() -> None:
+    assert references('x["a"].final > y.uplink') == [("x", ("a",), "final"), ("y", (), "uplink")]
+    for bad in ("import os", "lora.final >= max(1, 2)", "lora.final >=", "lora[0].final > 1", "__import__('os')"):
+        with pytest.raises(ConfigError, match=r"claims\.check"):
+            references(bad)
