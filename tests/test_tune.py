@@ -153,3 +153,25 @@ def test_tune_cli_one_line_errors(toy: tuple[dict[str, Any], Path], tmp_path: Pa
     assert "space.client.lr: empty or inverted range" in capsys.readouterr().out
     assert main(["tune", str(config), "--trials", "0", "--out", str(tmp_path / "y")]) == 2
     assert "--trials: must be at least 1" in capsys.readouterr().out
+
+
+@pytest.mark.real
+def test_tune_real_minilm_lora_on_sst2(tmp_path: Path) -> None:
+    """Two trials of MiniLM LoRA on a slice of SST-2: the study, its outputs and a runnable best.yaml."""
+    from rich.console import Console
+
+    from tests.conftest import SHARED_DATA
+
+    if not (SHARED_DATA / "glue" / "SST-2").exists():
+        pytest.skip(f"SST-2 not found under {SHARED_DATA}")
+    raw = {"method": "lora", "rounds": 2, "model": {"name": "minilm"}, "engine": {"threads": 2},
+           "task": {"name": "sst2", "data_dir": str(SHARED_DATA), "max_train_examples": 120, "max_eval_examples": 32,
+                    "max_length": 32},
+           "partition": {"kind": "iid", "num_clients": 3}, "strategy": {"clients_per_round": 2}}
+    result = tune(raw, tmp_path / "t", 2, validation_fraction=0.25, console=Console(quiet=True))
+    assert result.trials == 2 and 0.0 <= result.best_value <= 1.0
+    rows = _rows(tmp_path / "t")
+    assert [r["state"] for r in rows] == ["complete", "complete"]
+    best = build_config(yaml.safe_load(result.best_config.read_text()))
+    assert best.model.name == "minilm" and 1e-4 <= best.client.lr <= 2e-2  # the lora recipe's space
+    assert best.task.validation_fraction == 0.25
