@@ -175,7 +175,7 @@ def check_space(space: Space, raw: dict[str, Any], source: str = "space") -> Non
 def tuning_config(raw: dict[str, Any], rounds: int | None = None,
                   validation_fraction: float | None = None) -> dict[str, Any]:
     """The base of every trial: a validation split (the config's own, else ``validation_fraction``,
-    else 10%), scored alone each round, and optionally another number of rounds."""
+    else 10%), scored alone after every round, and optionally another number of rounds."""
     out = copy.deepcopy(raw)
     task = out.setdefault("task", {})
     if validation_fraction is not None:
@@ -186,7 +186,8 @@ def tuning_config(raw: dict[str, Any], rounds: int | None = None,
     if rounds is not None:
         out["rounds"] = rounds
     out.setdefault("engine", {})["kind"] = "local"
-    out.setdefault("evaluation", {})["splits"] = ["validation"]
+    # the pruner needs the validation metric of every round; the untrained model's is not needed
+    out.setdefault("evaluation", {}).update(splits=["validation"], every=1, at_start=False)
     out.setdefault("output", {}).update(progress=False, run_dir=None)
     return out
 
