@@ -43,7 +43,7 @@ def test_expand_orders_fragments_and_names_runs(tmp_path: Path) -> None:
     spec = _benchmark(tmp_path)
     sweep = expand(spec)
     names = [r.name for r in sweep.runs]
-    assert names == ["toy_iid_lora_seed0", "toy_iid_lora_seed1", "toy_iid_bitfit_seed0", "toy_iid_bitfit_seed1",
+    assert names == ["toy_iid_lora_seed0", "toy_iid_bitfit_seed0", "toy_iid_lora_seed1", "toy_iid_bitfit_seed1",
                      "toy_centralized_lora_seed0"]
     assert set(sweep.tunes) == {"toy_iid_lora", "toy_iid_bitfit"}
     ceiling = sweep.runs[-1]

@@ -228,9 +228,10 @@ def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
     partitions = spec.partitions or {"": {}}
     grid_keys = list(spec.grid)
     seeds: list[int | None] = list(spec.seeds) or [None]
-    for task, method, partition in itertools.product(tasks, methods, partitions):
-        for values in itertools.product(*(spec.grid[k] for k in grid_keys)):
-            for seed in seeds:
+    # seed-major: a benchmark stopped early has every cell at the first seeds rather than some cells at all
+    for seed in seeds:
+        for task, method, partition in itertools.product(tasks, methods, partitions):
+            for values in itertools.product(*(spec.grid[k] for k in grid_keys)):
                 sweep.runs.append(_point(sweep, task, method, partition, dict(zip(grid_keys, values)), seed))
     if spec.ceiling is not None:
         if spec.ceiling.method not in spec.methods:
