@@ -107,17 +107,27 @@ class ModelConfig(_Strict):
 
 
 class AdapterConfig(_Strict):
-    """What is trainable. ``kind`` names a registered adapter; extra fields are adapter-specific."""
+    """What is trainable. ``kind`` names a registered adapter; extra fields are adapter-specific.
+
+    LoRA's ``alpha`` sets its scale ``alpha / r``; left unset (None) it is the same as ``r``
+    (scale 1, FeDeRA's beta = r), whatever ``r`` the user picks. Every LoRA recipe but ``federa``
+    sets it explicitly. Read it through :attr:`lora_alpha`.
+    """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     kind: str = "lora"
     r: PositiveInt = 8
-    alpha: PositiveFloat = 16.0
+    alpha: PositiveFloat | None = None
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[str] | None = None
     init: str = "gaussian"
     train_head: bool = True
+
+    @property
+    def lora_alpha(self) -> float:
+        """The effective alpha: ``alpha`` when set, else ``r``."""
+        return float(self.r) if self.alpha is None else self.alpha
 
 
 class DPConfig(_Strict):

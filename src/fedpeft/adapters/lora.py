@@ -33,7 +33,7 @@ def lora_config(cfg: AdapterConfig, backbone: Backbone) -> LoraConfig:
     init = PEFT_INITS.get(cfg.init, True)
     return LoraConfig(
         r=cfg.r,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules or default_target_modules(backbone),
         init_lora_weights=init,
