@@ -344,6 +344,16 @@ class ExperimentConfig(_Strict):
             self.client.dp.rounds = self.rounds
         return self
 
+    @model_validator(mode="after")
+    def _svd_init_unmasked(self) -> ExperimentConfig:
+        # a lossy download codec zeroes LoRA entries in the model clients train; with FeDeRA's SVD init
+        # those entries hold W0's principal part (see fedpeft.adapters.federa.refuse_svd_init)
+        if self.adapter.init == "svd" and self.codec.down.kind == "topk" and self.codec.down.density < 1:
+            raise ConfigError("adapter.init", "svd puts W0's top-r part into LoRA A and B, so a topk download codec "
+                              "(codec.down.density < 1) would cut pretrained weight out of the clients' model; use "
+                              "init kaiming or gaussian, or a lossless download")
+        return self
+
     def clients_per_round(self) -> int:
         """Number of clients sampled each round (all of them in cross-silo mode)."""
         n = self.partition.num_clients
