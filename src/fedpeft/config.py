@@ -43,7 +43,9 @@ class TaskConfig(_Strict):
     becomes I-X after the first) instead of the first only; ``token_class_by`` says what a
     sentence's class is for label-skewed partitions: the set of its tags (FeDeRA App. A.2,
     Table 6) or of its entity types. Extractive QA: ``doc_stride`` is the overlap, in tokens,
-    of consecutive windows over a long context.
+    of consecutive windows over a long context; ``qa_class_by`` is a question's class for
+    label-skewed partitions: its article ``title``, or one of ``qa_clusters`` k-means clusters of
+    the questions' MiniLM sentence embeddings (``question_clusters``, FeDeRA App. A.2: 30).
     """
 
     name: str = "sst2"
@@ -76,6 +78,8 @@ class TaskConfig(_Strict):
     label_all_subtokens: bool = False
     token_class_by: Literal["tags", "entity_types"] = "tags"
     doc_stride: PositiveInt = 128
+    qa_class_by: Literal["title", "question_clusters"] = "title"
+    qa_clusters: PositiveInt = 30
 
 
 class PartitionConfig(_Strict):

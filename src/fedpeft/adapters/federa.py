@@ -30,9 +30,6 @@ FeDeRA code exists; HF PEFT's PiSSA is the same subtraction (Eq. 10).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from peft.tuners.lora import LoraLayer
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -40,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from fedpeft.adapters.lora import LORA_INITS
 from fedpeft.config import AdapterConfig, ConfigError
 from fedpeft.models.backbone import Backbone
+from fedpeft.seeding import single_thread
 
 
 class SvdInitOptions(BaseModel):
@@ -48,17 +46,6 @@ class SvdInitOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     svd_absorb_scale: bool = False
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one thread inside the block (thread-count-independent LAPACK/BLAS results)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def svd_lora_factors(weight: torch.Tensor, rank: int, scale: float, absorb_scale: bool = False
