@@ -3,7 +3,6 @@ random configs (DistilBERT, MPNet, ALBERT, Funnel are missing from PEFT's table)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +15,8 @@ from fedpeft.adapters.lora import default_target_modules
 from fedpeft.config import AdapterConfig, ConfigError
 from fedpeft.models.backbone import Backbone
 
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
 SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
 CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "distilbert": ({"dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64}, ["q_lin", "v_lin"]),
@@ -27,14 +28,6 @@ CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "gpt2": ({"n_embd": 32, "n_layer": 2, "n_head": 4}, ["c_attn"]),
     "t5": ({"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4}, ["q", "v"]),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_backbone(model_type: str, sizes: dict[str, Any]) -> Backbone:

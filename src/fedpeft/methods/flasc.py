@@ -40,7 +40,8 @@ change what the weight masks (download, SparseAdapter's pattern, Adapter-LTH's p
   at 0 and server AdamW moves it by about ``server_lr`` per round, below most ``|A|``, so
   SparseAdapter's one-shot magnitude mask after one dense round keeps no B entry at all (a frozen
   B = 0: the model is a sparse linear probe). ``product`` is invariant to rescaling A by c and B
-  by 1/c and keeps the entries that move the model. The other remedy is ``dense_rounds: k``:
+  by 1/c and keeps the entries that move the model (while B = 0 every LoRA score is 0 and ties go
+  to the lower index, so it says nothing before B has moved). The other remedy is ``dense_rounds: k``:
   SparseAdapter chooses its mask after k dense rounds, when B has moved (0: at initialisation,
   He et al.'s pruning at init, where B = 0 is always pruned).
 * ``dense_head``: false (default, the released main script ``train_sparse_lora_dp.py``: the
@@ -157,7 +158,8 @@ def weight_scores(state: State, score: MaskScore, scale: float) -> State:
 
 
 def magnitude_prune(state: State, masks: dict[str, torch.Tensor], fraction: float) -> dict[str, torch.Tensor]:
-    """Keep the top ``1 - fraction`` (by |value|, global) of the entries still in ``masks``; nested in them."""
+    """Keep the top ``1 - fraction`` (by |value|, global) of the entries still in ``masks``; nested in them.
+    Pass :func:`weight_scores` as ``state`` to rank by another score."""
     keys = sorted(state)
     alive = torch.cat([masks[k].reshape(-1) for k in keys])
     magnitude = torch.cat([state[k].detach().abs().reshape(-1).to(torch.float32) for k in keys])
