@@ -135,9 +135,27 @@ def test_svd_init_rejects_bad_option(toy_files: tuple[Path, Path], tmp_path: Pat
 
 def test_federa_recipe_defaults_follow_the_paper() -> None:
     cfg = build_config({"method": "federa", "task": {"name": "sst2"}})
-    assert (cfg.adapter.init, cfg.adapter.r, cfg.adapter.alpha, cfg.adapter.target_modules) == ("svd", 32, 32.0, None)
+    assert (cfg.adapter.init, cfg.adapter.r, cfg.adapter.lora_alpha, cfg.adapter.target_modules) == \
+        ("svd", 32, 32.0, None)
     assert (cfg.partition.kind, cfg.partition.alpha, cfg.partition.num_clients) == ("dirichlet", 0.1, 100)
     assert cfg.clients_per_round() == 10
+
+
+def test_federa_alpha_follows_r_unless_set(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """The paper's beta = r at any rank: r = 8 gives alpha 8 (scale 1), not the recipe's 32."""
+    cfg = build_config({"method": "federa", "adapter": {"r": 8}})
+    assert cfg.adapter.alpha is None and cfg.adapter.lora_alpha == 8.0
+    assert build_config({"method": "federa", "adapter": {"r": 8, "alpha": 16}}).adapter.lora_alpha == 16.0
+    # every other LoRA recipe keeps the alpha it names, whatever r
+    for method, alpha in (("lora", 16.0), ("flasc", 16.0), ("hetlora", 16.0), ("headprune", 16.0),
+                          ("ffa_lora", 16.0), ("rolora", 16.0), ("sparse_adapter", 16.0)):
+        assert build_config({"method": method, "adapter": {"r": 2}}).adapter.lora_alpha == alpha, method
+    # and the built model really has scale alpha / r = 1
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="federa", **TOY)
+    raw["adapter"] = {"r": 2}  # nothing else: the recipe's kind, init and (unset) alpha
+    layer = prepare(build_config(raw)).backbone.model.bert.encoder.layer[0].attention.self.query
+    assert layer.r["default"] == 2 and layer.scaling["default"] == 1.0
 
 
 def test_variation_eq_13_and_14_on_a_small_matrix() -> None:

@@ -12,7 +12,9 @@ from fedpeft.engines.local import LocalEngine, run_client
 from fedpeft.experiment import prepare
 from fedpeft.federated.sparse_codec import keep_count, topk_sparsify
 from fedpeft.federated.types import ClientResult
-from fedpeft.methods.flasc import magnitude_prune, scheduled_density
+from fedpeft.methods.federa import lora_matrix
+from fedpeft.methods.flasc import group_fractions, magnitude_prune, scheduled_density, weight_scores
+from fedpeft.metrics.summary import summarize
 from tests.conftest import tiny_raw_config
 
 
@@ -182,19 +184,19 @@ def test_flasc_learns_and_resumes_bit_identically(toy_files: tuple[Path, Path], 
                for k in full.exp.algorithm.dense)
 
 
-@pytest.mark.parametrize(("method", "init", "options"), [
-    ("sparse_adapter", "svd", {"down_density": 0.5}),
-    ("federated_select", "svd", {"down_density": 0.5}),
-    ("adapter_lth", "gaussian", {"prune_fraction": 0.1}),
+@pytest.mark.parametrize(("method", "options"), [
+    ("sparse_adapter", {"down_density": 0.5}),
+    ("federated_select", {"down_density": 1.0, "down_density_decay": 0.5, "decay_every": 3, "dense_head": True,
+                          "mask_score": "product"}),
+    ("adapter_lth", {"prune_fraction": 0.1}),
 ])
-def test_sparsity_baselines_learn(toy_files: tuple[Path, Path], tmp_path: Path, method: str, init: str,
-                                  options: dict) -> None:
+def test_sparsity_baselines_learn(toy_files: tuple[Path, Path], tmp_path: Path, method: str, options: dict) -> None:
     train, eval_ = toy_files
-    # LoRA's B starts at zero: a freezing baseline that never receives B cannot train it (the paper's
-    # point about pruning at initialisation), so SparseAdapter/Federated Select learn here from the SVD init
+    # LoRA's B starts at zero: a client-freezing method that never receives B cannot train it (the paper's
+    # point about freezing), so Federated Select downloads densely for two rounds, then at 1/2 and 1/4
     raw = flasc_raw(train, eval_, tmp_path / method, method=method, name="fedavg", server_lr=1.0, **options)
     raw.update(rounds=6, client={"optimizer": "adam", "lr": 0.02, "batch_size": 8, "local_epochs": 2})
-    raw["adapter"]["init"] = init
+    raw["adapter"]["init"] = "gaussian"
     records = LocalEngine(prepare(build_config(raw)), tmp_path / method).run()
     accuracy = [r["eval"]["accuracy"] for r in records]
     assert max(accuracy[-2:]) >= 0.7, accuracy  # chance is 0.5 on 64 balanced examples
@@ -206,13 +208,18 @@ def test_dp_fedadam_reports_epsilon(toy_files: tuple[Path, Path], tmp_path: Path
     train, eval_ = toy_files
     raw = flasc_raw(train, eval_, tmp_path / "dp", down_density=1.0, up_density=1.0, dp_clip_norm=0.05,
                     dp_noise_multiplier=1.0, dp_delta=1e-3)
-    raw["rounds"] = 1
+    raw["rounds"] = 2
     records = LocalEngine(prepare(build_config(raw)), tmp_path / "dp").run()
     from fedpeft.federated.privacy import dp_fedadam_epsilon
 
-    method = records[0]["method"]
-    assert method["dp_epsilon"] == pytest.approx(dp_fedadam_epsilon(1.0, 2, 4, 1, 1e-3))
-    assert len(method["update_norms"]) == 2 and all(x > 0 for x in method["update_norms"])
+    for round_idx, record in enumerate(records, start=1):
+        privacy = record["server_privacy"]
+        assert privacy["epsilon"] == pytest.approx(dp_fedadam_epsilon(1.0, 2, 4, round_idx, 1e-3))
+        assert (privacy["delta"], privacy["noise_multiplier"], privacy["clip_norm"]) == (1e-3, 1.0, 0.05)
+        assert len(privacy["update_norms"]) == 2 and all(x > 0 for x in privacy["update_norms"])
+    summary = summarize(records, "accuracy")
+    assert summary["server_dp_epsilon"] == pytest.approx(dp_fedadam_epsilon(1.0, 2, 4, 2, 1e-3))
+    assert summary["server_dp_delta"] == 1e-3 and "dp_epsilon" not in summary  # no local DP-SGD here
 
 
 def test_bad_sparsity_options_name_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -230,3 +237,153 @@ def test_per_tensor_scope_masks_every_tensor_alike(toy_files: tuple[Path, Path],
     for key, value in payload.items():
         expected = 0 if not exp.algorithm.dense[key].any() else keep_count(value.numel(), 0.25)
         assert int((value != 0).sum()) == expected, key
+
+
+# --- what the masks keep (visible per round), and the options that change it ------------------------
+
+def test_product_score_is_each_entry_s_contribution_to_ba() -> None:
+    a_key, b_key = "m.q.lora_A.default.weight", "m.q.lora_B.default.weight"
+    state = {a_key: torch.tensor([[3.0, -4.0], [1.0, 0.0]]),  # A: r=2 x in=2, row norms 5, 1
+             b_key: torch.tensor([[0.5, 0.0], [0.0, 2.0], [0.0, 0.0]]),  # B: out=3 x r=2, column norms 0.5, 2
+             "classifier.weight": torch.tensor([-0.7, 0.1])}
+    scores = weight_scores(state, "product", scale=2.0)
+    torch.testing.assert_close(scores[a_key], 2.0 * torch.tensor([[3 * 0.5, 4 * 0.5], [1 * 2.0, 0.0]]))
+    torch.testing.assert_close(scores[b_key], 2.0 * torch.tensor([[0.5 * 5, 0.0], [0.0, 2 * 1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(scores["classifier.weight"], torch.tensor([0.7, 0.1]))
+    # invariant to A -> cA, B -> B/c (the same B A); magnitude is not
+    rescaled = {a_key: 10 * state[a_key], b_key: state[b_key] / 10, "classifier.weight": state["classifier.weight"]}
+    again = weight_scores(rescaled, "product", scale=2.0)
+    assert all(torch.allclose(again[k], scores[k]) for k in scores)
+    assert torch.equal(weight_scores(state, "magnitude", 2.0)[a_key], state[a_key].abs())
+    fractions = group_fractions(state, {a_key: torch.tensor([[True, False], [False, False]]),
+                                        b_key: torch.zeros(3, 2, dtype=torch.bool)})
+    assert fractions == {"lora_A": 0.25, "lora_B": 0.0, "head": 1.0}
+
+
+@pytest.mark.parametrize("score", ["magnitude", "product"])
+def test_sparse_adapter_logs_its_mask_and_product_keeps_b(toy_files: tuple[Path, Path], tmp_path: Path,
+                                                          score: str) -> None:
+    """The review's finding: after one dense round under server AdamW, B has moved by about server_lr, below
+    most |A|: the magnitude mask keeps no B entry. The product score keeps B entries."""
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / score, method="sparse_adapter", down_density=0.25, mask_score=score)
+    raw["rounds"] = 2
+    engine = LocalEngine(prepare(build_config(raw)), tmp_path / score)
+    records = engine.run()
+    algo = engine.exp.algorithm
+    assert records[0]["method"]["down_kept"] == {"lora_A": 1.0, "lora_B": 1.0, "head": 1.0}  # the dense round
+    kept = records[0]["method"]["mask_kept"]  # the pattern chosen after it
+    assert kept == group_fractions(algo.dense, algo.mask)
+    assert records[1]["method"]["down_kept"] == kept and records[1]["method"]["up_kept"]["lora_B"] <= kept["lora_B"]
+    if score == "magnitude":
+        assert kept["lora_B"] == 0.0 and kept["lora_A"] > 0.25
+    else:
+        assert kept["lora_B"] > 0.1
+
+
+def test_sparse_adapter_dense_rounds_choose_when_the_mask_is_fixed(toy_files: tuple[Path, Path],
+                                                                   tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    at_init = prepare(build_config(flasc_raw(train, eval_, tmp_path / "i", method="sparse_adapter",
+                                             down_density=0.25, dense_rounds=0)))
+    assert at_init.algorithm.mask is not None  # pruning at initialisation: B = 0 is pruned whole
+    assert group_fractions(at_init.algorithm.dense, at_init.algorithm.mask)["lora_B"] == 0.0
+    raw = flasc_raw(train, eval_, tmp_path / "k", method="sparse_adapter", down_density=0.25, dense_rounds=2)
+    raw["rounds"] = 3
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "k").run()
+    assert "mask_kept" not in records[0]["method"] and "mask_kept" in records[1]["method"]
+    assert records[1]["method"]["down_density"] == 1.0 and records[2]["method"]["down_density"] < 1.0
+
+
+def test_dense_head_is_never_masked(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / "dh", down_density=0.25, up_density=0.125,
+                                         dense_head=True)))
+    algo = exp.algorithm
+    head = [k for k in algo.dense if lora_matrix(k) is None]
+    lora = [k for k in algo.dense if lora_matrix(k)]
+    task = algo.configure_train(1, [0], exp.initial_state)[0]
+    assert head and all(torch.equal(task.payload[k], algo.dense[k]) for k in head)
+    lora_numel = sum(algo.dense[k].numel() for k in lora)
+    assert sum(int((task.payload[k] != 0).sum()) for k in lora) == keep_count(lora_numel, 0.25)
+    assert algo.last["down_kept"]["head"] == 1.0
+    update = run_client(exp, task, 1, False).result.update
+    assert all(bool((update[k] != 0).all()) for k in head if k.endswith("weight"))  # the head goes up dense
+    assert sum(int((update[k] != 0).sum()) for k in lora) == keep_count(lora_numel, 0.125)
+    # without it the head competes in the top-k like any LoRA entry (the released main script)
+    plain = prepare(build_config(flasc_raw(train, eval_, tmp_path / "p", down_density=0.25)))
+    plain.algorithm.configure_train(1, [0], plain.initial_state)
+    assert plain.algorithm.last["down_kept"]["head"] < 1.0
+
+
+def test_dense_head_trains_a_zero_bias_under_client_freezing(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    bias_moved = {}
+    for dense_head in (False, True):
+        exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / str(dense_head), method="federated_select",
+                                             down_density=0.5, dense_head=dense_head)))
+        task = exp.algorithm.configure_train(1, [0], exp.initial_state)[0]
+        assert not task.payload["classifier.bias"].any()  # a new head's bias starts at 0
+        bias_moved[dense_head] = bool(run_client(exp, task, 1, False).result.update["classifier.bias"].any())
+    assert bias_moved == {False: False, True: True}  # a zero that is sent is not "not received" any more
+
+
+def test_product_score_needs_both_factors(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "ffa", down_density=0.25, mask_score="product")
+    raw["adapter"]["kind"] = "ffa_lora"
+    with pytest.raises(ConfigError, match=r"strategy\.mask_score"):
+        prepare(build_config(raw))
+
+
+# --- FeDeRA's SVD init where LoRA is masked ---------------------------------------------------------
+
+@pytest.mark.parametrize(("method", "options"), [
+    ("flasc", {"down_density": 0.25}),
+    ("flasc", {"down_density": 1.0, "down_density_decay": 0.5}),
+    ("federated_select", {"down_density": 0.5}),
+    ("sparse_adapter", {"down_density": 0.25}),
+    ("adapter_lth", {}),
+])
+def test_svd_init_is_refused_where_lora_is_masked(toy_files: tuple[Path, Path], tmp_path: Path, method: str,
+                                                  options: dict) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / method, method=method, **options)
+    raw["adapter"]["init"] = "svd"
+    with pytest.raises(ConfigError, match=r"adapter\.init: svd .*cut pretrained weight"):
+        prepare(build_config(raw))
+
+
+def test_svd_init_with_sparse_upload_only_keeps_the_output(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """Dense download, top-k upload: clients start from the exact SVD model, the server's copy keeps every entry."""
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "up", down_density=1.0, up_density=0.25)
+    raw["adapter"]["init"] = "svd"
+    exp = prepare(build_config(raw))
+    task = exp.algorithm.configure_train(1, [0], exp.initial_state)[0]
+    assert all(torch.equal(task.payload[k], exp.initial_state[k]) for k in task.payload)
+    assert all(lora_matrix(k) is None or bool(v.all()) for k, v in task.payload.items())  # nothing zeroed
+    with pytest.raises(ConfigError, match=r"adapter\.init"):  # a lossy download codec masks just the same
+        build_config({**raw, "method": "lora", "codec": {"down": {"kind": "topk", "density": 0.5}}})
+
+
+# --- DP-FedAdam's epsilon wherever fedadamw adds noise --------------------------------------------
+
+def test_server_dp_epsilon_is_reported_for_any_recipe_on_fedadamw(toy_files: tuple[Path, Path],
+                                                                 tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "lora", method="lora", dp_clip_norm=0.05, dp_noise_multiplier=0.8,
+                    dp_simulated_cohort=3)
+    raw["rounds"] = 1
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "lora").run()
+    from fedpeft.federated.privacy import dp_fedadam_epsilon
+
+    assert records[0]["server_privacy"]["epsilon"] == pytest.approx(dp_fedadam_epsilon(0.8, 2, 4, 1, 1e-5, 3))
+    assert summarize(records, "accuracy")["server_dp_epsilon"] == records[0]["server_privacy"]["epsilon"]
+    with pytest.raises(ConfigError, match=r"strategy\.dp_simulated_cohort"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "big", method="lora", dp_clip_norm=0.05,
+                                       dp_noise_multiplier=0.8, dp_simulated_cohort=5)))
+    # a method with its own aggregation would never apply the noise: refused rather than reported
+    with pytest.raises(ConfigError, match=r"strategy\.dp_clip_norm"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "hp", method="headprune", dp_clip_norm=0.05,
+                                       dp_noise_multiplier=0.8)))

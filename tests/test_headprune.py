@@ -9,7 +9,7 @@ import torch
 
 from fedpeft.config import ConfigError, build_config
 from fedpeft.engines.local import LocalEngine
-from fedpeft.experiment import prepare
+from fedpeft.experiment import load_data, prepare
 from fedpeft.federated.codec import CodecError, build_codec
 from fedpeft.federated.types import ClientResult, ClientTask
 from fedpeft.methods.headprune import (
@@ -19,6 +19,7 @@ from fedpeft.methods.headprune import (
     heads_to_keep,
     zero_pruned_slices,
 )
+from fedpeft.models.backbone import load_backbone
 from fedpeft.models.encoding import EncodedData, training_batch
 from fedpeft.models.heads import (
     HeadOwnership,
@@ -255,3 +256,32 @@ def test_aggregate_rejects_scores_of_wrong_shape(toy_files: tuple[Path, Path], t
     bad = ClientResult(0, {HEAD_SCORES_KEY: torch.ones(3)}, 10, 0.5)
     with pytest.raises(ValueError, match=HEAD_SCORES_KEY):
         exp.algorithm.aggregate(1, exp.initial_state, [bad])
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2", "t5"])
+def test_svd_init_keeps_every_kept_head_exact(toy_files: tuple[Path, Path], tmp_path: Path, arch: str) -> None:
+    """FeDeRA's init with head pruning: a pruned head leaves the base weight and LoRA B (and A of the output
+    projection) together, so a client's pruned model at the start equals the pretrained model pruned alike."""
+    targets = {"bert": ["query", "value", "dense"], "t5": ["q", "k", "o"], "gpt2": ["c_attn", "c_proj"]}[arch]
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="headprune", model={"name": f"tiny-{arch}"}, rounds=1,
+                          adapter={"r": 4, "init": "svd", "target_modules": targets})
+    cfg = build_config(raw)
+    task, _ = load_data(cfg)
+    plain = load_backbone(cfg.model, task, cfg.seed)
+    exp = prepare(cfg)
+    svd_model = exp.backbone.model
+    assert any(p.abs().sum() > 0 for n, p in svd_model.named_parameters() if "lora_B" in n)
+    sites = find_head_sites(svd_model)
+    assert [s.name for s in sites] == [s.name for s in find_head_sites(plain.model)]
+    kept = [[0, 2]] * len(sites)
+    kept[0] = [3]
+    batch = training_batch(exp.train_data, list(range(6)))
+    plain.model.eval()
+    svd_model.eval()
+    with torch.no_grad(), pruned_heads(plain.model, find_head_sites(plain.model), kept):
+        expected = plain.model(**batch).logits
+    with torch.no_grad(), pruned_heads(svd_model, sites, kept):
+        got = svd_model(**batch).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    LocalEngine(exp, tmp_path / "run").run()  # and a round of the recipe runs with it

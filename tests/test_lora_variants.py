@@ -179,3 +179,38 @@ def test_hetlora_rejects_tiers_above_rank(toy_files: tuple[Path, Path], tmp_path
     raw = raw_for("hetlora", toy_files, tmp_path / "run", strategy={**FEDAVG, "rank_tiers": [1, 16]})
     with pytest.raises(ConfigError, match=r"strategy\.rank_tiers"):
         prepare(build_config(raw))
+
+
+def test_hetlora_refuses_the_svd_init_below_the_top_tier(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    raw = raw_for("hetlora", toy_files, tmp_path / "run", adapter={**LORA, "init": "svd"},
+                  strategy={**FEDAVG, "rank_tiers": [1, 4]})
+    with pytest.raises(ConfigError, match=r"adapter\.init: svd .*rank-1 slices"):
+        prepare(build_config(raw))
+    raw["strategy"]["rank_tiers"] = [4]  # every client holds the whole LoRA: nothing is cut
+    prepare(build_config(raw))
+
+
+def test_hetlora_released_preset_is_the_released_script(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """train_sparse_lora_het.py: tiers by client id mod 3, sum of zero-padded deltas / n into torch AdamW."""
+    cfg = build_config({"method": "hetlora_released"})
+    assert (cfg.strategy.name, cfg.strategy.weighting, cfg.strategy.server_lr) == ("fedadamw", "uniform", 0.005)
+    assert (cfg.strategy.beta1, cfg.strategy.beta2, cfg.strategy.model_extra["weight_decay"]) == (0.9, 0.999, 0.01)
+    assert (cfg.adapter.r, cfg.adapter.lora_alpha, cfg.adapter.dropout) == (16, 16.0, 0.1)
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="hetlora_released", adapter=LORA,
+                          strategy={"name": "fedadamw", "clients_per_round": 2, "rank_tiers": [1, 4]})
+    exp = prepare(build_config(raw))
+    assert exp.algorithm.client_ranks == [1, 4, 1, 4]
+    state = dict(exp.initial_state)
+    a_key = sorted(keys_of(exp, "A"))[0]
+    small = {a_key: torch.full((1, 32), 0.3)}  # rank-1 client, 1 sample
+    large = {a_key: torch.full((4, 32), -0.1)}  # rank-4 client, 3 samples: weights ignored
+    new = exp.algorithm.aggregate(1, state, [ClientResult(0, small, 1, 0.0), ClientResult(1, large, 3, 0.0)])
+    param = torch.nn.Parameter(state[a_key].clone())
+    optimizer = torch.optim.AdamW([param], lr=0.005)  # torch defaults: betas 0.9/0.999, eps 1e-8, wd 0.01
+    mean = torch.zeros(4, 32)
+    mean[0] += 0.3
+    mean += torch.full((4, 32), -0.1)
+    param.grad = -(mean / 2)  # the released code: aggregate of (start - local) / server_batch
+    optimizer.step()
+    torch.testing.assert_close(new[a_key], param.detach())

@@ -43,7 +43,9 @@ class TaskConfig(_Strict):
     becomes I-X after the first) instead of the first only; ``token_class_by`` says what a
     sentence's class is for label-skewed partitions: the set of its tags (FeDeRA App. A.2,
     Table 6) or of its entity types. Extractive QA: ``doc_stride`` is the overlap, in tokens,
-    of consecutive windows over a long context.
+    of consecutive windows over a long context; ``qa_class_by`` is a question's class for
+    label-skewed partitions: its article ``title``, or one of ``qa_clusters`` k-means clusters of
+    the questions' MiniLM sentence embeddings (``question_clusters``, FeDeRA App. A.2: 30).
     """
 
     name: str = "sst2"
@@ -76,6 +78,8 @@ class TaskConfig(_Strict):
     label_all_subtokens: bool = False
     token_class_by: Literal["tags", "entity_types"] = "tags"
     doc_stride: PositiveInt = 128
+    qa_class_by: Literal["title", "question_clusters"] = "title"
+    qa_clusters: PositiveInt = 30
     # a validation split for tuning, never used for reporting (see fedpeft.data.validation)
     validation_fraction: float | None = None
     validation_file: str | None = None
@@ -128,17 +132,27 @@ class ModelConfig(_Strict):
 
 
 class AdapterConfig(_Strict):
-    """What is trainable. ``kind`` names a registered adapter; extra fields are adapter-specific."""
+    """What is trainable. ``kind`` names a registered adapter; extra fields are adapter-specific.
+
+    LoRA's ``alpha`` sets its scale ``alpha / r``; left unset (None) it is the same as ``r``
+    (scale 1, FeDeRA's beta = r), whatever ``r`` the user picks. Every LoRA recipe but ``federa``
+    sets it explicitly. Read it through :attr:`lora_alpha`.
+    """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     kind: str = "lora"
     r: PositiveInt = 8
-    alpha: PositiveFloat = 16.0
+    alpha: PositiveFloat | None = None
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[str] | None = None
     init: str = "gaussian"
     train_head: bool = True
+
+    @property
+    def lora_alpha(self) -> float:
+        """The effective alpha: ``alpha`` when set, else ``r``."""
+        return float(self.r) if self.alpha is None else self.alpha
 
 
 class DPConfig(_Strict):
@@ -386,6 +400,16 @@ class ExperimentConfig(_Strict):
         if self.client.dp is not None and self.client.dp.rounds is None:
             # pinned in the saved config, so a resumed run keeps the noise it was planned with
             self.client.dp.rounds = self.rounds
+        return self
+
+    @model_validator(mode="after")
+    def _svd_init_unmasked(self) -> ExperimentConfig:
+        # a lossy download codec zeroes LoRA entries in the model clients train; with FeDeRA's SVD init
+        # those entries hold W0's principal part (see fedpeft.adapters.federa.refuse_svd_init)
+        if self.adapter.init == "svd" and self.codec.down.kind == "topk" and self.codec.down.density < 1:
+            raise ConfigError("adapter.init", "svd puts W0's top-r part into LoRA A and B, so a topk download codec "
+                              "(codec.down.density < 1) would cut pretrained weight out of the clients' model; use "
+                              "init kaiming or gaussian, or a lossless download")
         return self
 
     def clients_per_round(self) -> int:

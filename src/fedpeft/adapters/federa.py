@@ -14,6 +14,12 @@ for any alpha. Where alpha != r reasonable people differ on what A and B should 
 PiSSA init does), so that ``scale * B A`` is exactly the top-r part of W0 and the frozen residual
 is exactly the rest of the spectrum; the default (false) keeps Eq. 8-9 literally.
 
+Methods that mask or slice LoRA entries in the model a client trains (FLASC's download mask,
+SparseAdapter, Adapter-LTH, Federated Select, HetLoRA's rank slices, a ``topk`` download codec)
+would cut W0's principal part out of it, so they refuse this init (:func:`refuse_svd_init`).
+Head pruning keeps it: a pruned head is removed from the base weight and from B together (its rows
+of both are sliced away), so every kept head computes exactly its W0 rows at the start.
+
 The SVD is exact (``torch.linalg.svd``, computed in float64, no randomised low-rank solver) and
 runs single-threaded: LAPACK's result depends (in the last bits) on the thread count, which
 differs between machines. So every client and the server, each building the model from the same
@@ -24,9 +30,6 @@ FeDeRA code exists; HF PEFT's PiSSA is the same subtraction (Eq. 10).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from peft.tuners.lora import LoraLayer
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -34,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from fedpeft.adapters.lora import LORA_INITS
 from fedpeft.config import AdapterConfig, ConfigError
 from fedpeft.models.backbone import Backbone
+from fedpeft.seeding import single_thread
 
 
 class SvdInitOptions(BaseModel):
@@ -42,17 +46,6 @@ class SvdInitOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     svd_absorb_scale: bool = False
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one thread inside the block (thread-count-independent LAPACK/BLAS results)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def svd_lora_factors(weight: torch.Tensor, rank: int, scale: float, absorb_scale: bool = False
@@ -98,3 +91,12 @@ def apply_svd_init(backbone: Backbone, cfg: AdapterConfig) -> None:
 
 
 LORA_INITS["svd"] = apply_svd_init
+
+
+def refuse_svd_init(cfg: AdapterConfig, masking: str) -> None:
+    """Stop before training when the svd init meets ``masking``, something that zeroes LoRA entries
+    in the model clients train: with the SVD init those entries hold part of W0 (Eq. 10)."""
+    if cfg.init == "svd":
+        raise ConfigError("adapter.init", f"svd puts W0's top-r part into LoRA A and B (the frozen residual is "
+                          f"W0 - scale*B0*A0), so {masking} would cut pretrained weight out of the model; use "
+                          "init kaiming or gaussian")

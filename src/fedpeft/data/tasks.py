@@ -33,6 +33,7 @@ import pandas as pd
 
 from fedpeft.config import ConfigError, TaskConfig
 from fedpeft.data.conll import Sentence, read_conll, sentence_class, tag_ids, tag_set
+from fedpeft.data.question_clusters import Embedder, minilm_embeddings, question_classes
 from fedpeft.data.squad import check_no_overlap, read_squad, split_by_title
 from fedpeft.data.types import SPAN_PROBLEMS, Example, ProblemType, TaskData
 from fedpeft.data.validation import split_validation
@@ -892,11 +893,23 @@ def _conll_position(value: str | int, field: str) -> int:
     raise ConfigError(field, f"CoNLL files have no header: give a column position (0, 1, ..., -1), got {value!r}")
 
 
-def with_example_classes(task: TaskData, token_class_by: str = "tags") -> TaskData:
+def with_example_classes(task: TaskData, token_class_by: str = "tags", qa_class_by: str = "title",
+                         qa_clusters: int = 30, embed: Embedder = minilm_embeddings) -> TaskData:
     """Give each example of a token-classification or QA task its class for label-skewed
     partitions (FeDeRA App. A.2): the set of its tags or entity types (see
-    :func:`fedpeft.data.conll.sentence_class`), or its article title (QA). Class ids index the
-    sorted names of both splits' classes (``O``, no entity, first)."""
+    :func:`fedpeft.data.conll.sentence_class`), or (QA) its article title or its question's
+    k-means cluster (:mod:`fedpeft.data.question_clusters`; ``embed`` embeds the questions).
+    Class ids index the sorted names of both splits' classes (``O``, no entity, first)."""
+    if task.problem_type == "extractive_qa" and qa_class_by == "question_clusters":
+        if qa_clusters > len(task.train):
+            raise ConfigError("task.qa_clusters", f"{qa_clusters} clusters but only {len(task.train)} training "
+                              "questions")
+        train_ids, eval_ids = question_classes([ex.texts[0] for ex in task.train], [ex.texts[0] for ex in task.eval],
+                                               qa_clusters, embed)
+        task.train = [replace(ex, label=int(c)) for ex, c in zip(task.train, train_ids, strict=True)]
+        task.eval = [replace(ex, label=int(c)) for ex, c in zip(task.eval, eval_ids, strict=True)]
+        task.example_classes = tuple(f"cluster_{c:02d}" for c in range(qa_clusters))
+        return task
     if task.problem_type == "token_classification":
         def key(example: Example) -> str:
             return sentence_class([task.label_names[tag] for tag in example.tags], token_class_by)
@@ -1312,8 +1325,11 @@ def load_task(cfg: TaskConfig, data_dir: Path | None = None) -> TaskData:
                               "task.validation_fraction")
         # the validation file is read exactly as an eval file would be, against the training file's label set
         task.validation = _load_splits(cfg.model_copy(update={"eval_file": cfg.validation_file}), data_dir).eval
+    if cfg.qa_class_by != "title" and task.problem_type != "extractive_qa":
+        raise ConfigError("task.qa_class_by", f"classes extractive QA questions; task {task.name!r} is "
+                          f"{task.problem_type}")
     if task.problem_type in SPAN_PROBLEMS:
-        task = with_example_classes(task, cfg.token_class_by)
+        task = with_example_classes(task, cfg.token_class_by, cfg.qa_class_by, cfg.qa_clusters)
     task.train = subsample(task.train, cfg.max_train_examples)
     task.eval = subsample(task.eval, cfg.max_eval_examples)
     if cfg.validation_fraction is not None:

@@ -225,6 +225,10 @@ class RoundEngine:
             "method": exp.algorithm.round_metrics(round_idx, new_state),
         }
         record.update(split_sizes(exp, scored))
+        server_privacy = exp.algorithm.strategy.server_privacy(round_idx, cfg.clients_per_round(),
+                                                               cfg.partition.num_clients)
+        if server_privacy is not None:  # DP-FedAdam: the client-level guarantee after this round
+            record["server_privacy"] = server_privacy
         if client_eval:
             record["client_eval"] = client_eval
         if failures:

@@ -45,10 +45,13 @@ class Algorithm:
 
     ``robust_aggregations`` lists the ``strategy.robust`` options the method's aggregation honours
     (all of them when it aggregates through the strategy); any other is rejected up front.
+    ``server_dp`` says whether it aggregates through ``strategy.aggregate``, where the server's DP
+    (FedAdamW's clipping and noise) happens; a method that does not refuses a DP strategy.
     """
 
     name: ClassVar[str] = "default"
     robust_aggregations: ClassVar[tuple[str, ...]] = ("none", "clip", "median", "trimmed_mean")
+    server_dp: ClassVar[bool] = True
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         if cfg.strategy.robust not in self.robust_aggregations:
@@ -58,6 +61,10 @@ class Algorithm:
         self.ctx = ctx
         self.strategy = build_strategy(cfg.strategy)
         self.selector = build_selector(cfg.strategy.selection, cfg.partition.num_clients)
+        private = self.strategy.server_privacy(0, cfg.clients_per_round(), cfg.partition.num_clients) is not None
+        if private and not self.server_dp:
+            raise ConfigError("strategy.dp_clip_norm", f"method {cfg.method!r} aggregates with its own rule, which "
+                              "the server's DP clipping and noise never reach; set it to 0")
 
     def initial_state(self, state: State) -> State:
         """The global state before round 1 (the adapter's initialisation by default)."""

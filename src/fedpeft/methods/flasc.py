@@ -31,26 +31,59 @@ code keeps them but never sends or evaluates them, which is the same model).
 
 Options (``strategy`` section): ``down_density``, ``up_density``, ``down_density_decay``,
 ``up_density_decay``, ``decay_every``, ``mask_scope`` (``global`` | ``per_tensor``),
-``dense_rounds`` (sparse_adapter), ``prune_fraction``, ``prune_every`` (adapter_lth).
+``dense_rounds`` (sparse_adapter), ``prune_fraction``, ``prune_every`` (adapter_lth), and two that
+change what the weight masks (download, SparseAdapter's pattern, Adapter-LTH's pruning) keep:
+
+* ``mask_score``: ``magnitude`` (default, the paper's |w|) or ``product``, the size of each LoRA
+  entry's contribution to ``scale * B A``: ``|B_ik| ||A_k,:||`` for B and ``|A_kj| ||B_:,k||``
+  for A (head entries: ``|w|``). Magnitude compares A and B on different scales: LoRA's B starts
+  at 0 and server AdamW moves it by about ``server_lr`` per round, below most ``|A|``, so
+  SparseAdapter's one-shot magnitude mask after one dense round keeps no B entry at all (a frozen
+  B = 0: the model is a sparse linear probe). ``product`` is invariant to rescaling A by c and B
+  by 1/c and keeps the entries that move the model (while B = 0 every LoRA score is 0 and ties go
+  to the lower index, so it says nothing before B has moved). The other remedy is ``dense_rounds: k``:
+  SparseAdapter chooses its mask after k dense rounds, when B has moved (0: at initialisation,
+  He et al.'s pruning at init, where B = 0 is always pruned).
+* ``dense_head``: false (default, the released main script ``train_sparse_lora_dp.py``: the
+  top-k ranks the head's entries with LoRA's) or true: the non-LoRA tensors (the task head)
+  are never masked, pruned or sparsified, in both directions, and the densities count LoRA entries
+  only (the released ``train_sparse_lora_het.py`` leaves non-LoRA tensors out of its download
+  masks, though its upload top-k still covers them).
+
+The masks are visible: every round logs, per group (``lora_A``, ``lora_B``, ``head``), the
+fraction of entries the download kept (``down_kept``), the mean fraction of nonzero entries in
+the clients' uploads (``up_kept``) and, for the freezing baselines, the pattern in force
+(``mask_kept``).
+
+FeDeRA's ``adapter.init: svd`` is refused wherever a LoRA entry is masked or pruned in the model a
+client trains or the server evaluates (any download density < 1, SparseAdapter's pattern,
+Adapter-LTH's pruning): the SVD puts W0's top-r part into A and B (the frozen residual is
+W0 - scale B0 A0), so zeroing entries of A or B cuts pretrained weight out of the model instead
+of restricting a learned update. Sparse *uploads* alone (``down_density: 1``) are fine: the
+server's dense copy keeps every entry and only the update is cut.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpeft.config import ExperimentConfig
+from fedpeft.adapters.federa import refuse_svd_init
+from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
-from fedpeft.federated.privacy import dp_fedadam_epsilon
 from fedpeft.federated.sparse_codec import Scope, apply_masks, keep_count, topk_masks, topk_sparsify
-from fedpeft.federated.strategy.fedadamw import FedAdamW, validate_options
+from fedpeft.federated.strategy.fedadamw import validate_options
 from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.methods.federa import lora_matrix
 from fedpeft.models.encoding import EncodedData
+
+MaskScore = Literal["magnitude", "product"]
+GROUPS = ("lora_A", "lora_B", "head")
 
 
 class SparsityOptions(BaseModel):
@@ -67,8 +100,8 @@ class SparsityOptions(BaseModel):
     dense_rounds: int = Field(1, ge=0)
     prune_fraction: float = Field(0.02, gt=0, lt=1)
     prune_every: int = Field(1, gt=0)
-    dp_delta: float = Field(1e-5, gt=0, lt=1)
-    dp_simulated_cohort: int | None = Field(None, gt=0)
+    mask_score: MaskScore = "magnitude"
+    dense_head: bool = False
 
 
 def scheduled_density(density: float, decay: float, decay_every: int, round_idx: int) -> float:
@@ -81,8 +114,52 @@ def mask_density(masks: dict[str, torch.Tensor]) -> float:
     return float(sum(int(m.sum()) for m in masks.values()) / max(total, 1))
 
 
+def entry_group(key: str) -> str:
+    """``lora_A``, ``lora_B`` or ``head`` (every non-LoRA trainable tensor)."""
+    kind = lora_matrix(key)
+    return "head" if kind is None else f"lora_{kind}"
+
+
+def group_fractions(state: State, kept: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per group of :func:`entry_group`, the fraction of ``state``'s entries that ``kept`` marks
+    (a key without a mask counts as wholly kept)."""
+    counts: dict[str, list[int]] = {}
+    for key, value in state.items():
+        count = counts.setdefault(entry_group(key), [0, 0])
+        count[0] += int(kept[key].sum()) if key in kept else value.numel()
+        count[1] += value.numel()
+    return {group: kept_n / max(total, 1) for group, (kept_n, total) in counts.items()}
+
+
+def lora_partner(key: str) -> str:
+    """The other factor of a LoRA pair: ``...lora_A...`` <-> ``...lora_B...``."""
+    return key.replace(".lora_A.", ".lora_B.") if lora_matrix(key) == "A" else key.replace(".lora_B.", ".lora_A.")
+
+
+def weight_scores(state: State, score: MaskScore, scale: float) -> State:
+    """What the weight masks rank (non-negative): ``|w|``, or with ``product`` each LoRA entry's
+    contribution to ``scale * B A`` (the norm of the rank-one term it multiplies):
+    ``scale |A_kj| ||B_:,k||`` for A (r x in), ``scale |B_ik| ||A_k,:||`` for B (out x r); non-LoRA
+    entries by ``|w|``."""
+    if score == "magnitude":
+        return {key: value.detach().abs() for key, value in state.items()}
+    scores = {}
+    for key, value in state.items():
+        kind = lora_matrix(key)
+        if kind is None:
+            scores[key] = value.detach().abs()
+            continue
+        partner = state[lora_partner(key)].detach().to(torch.float32)
+        if kind == "A":
+            scores[key] = scale * value.detach().abs() * torch.linalg.vector_norm(partner, dim=0)[:, None]
+        else:
+            scores[key] = scale * value.detach().abs() * torch.linalg.vector_norm(partner, dim=1)[None, :]
+    return scores
+
+
 def magnitude_prune(state: State, masks: dict[str, torch.Tensor], fraction: float) -> dict[str, torch.Tensor]:
-    """Keep the top ``1 - fraction`` (by |value|, global) of the entries still in ``masks``; nested in them."""
+    """Keep the top ``1 - fraction`` (by |value|, global) of the entries still in ``masks``; nested in them.
+    Pass :func:`weight_scores` as ``state`` to rank by another score."""
     keys = sorted(state)
     alive = torch.cat([masks[k].reshape(-1) for k in keys])
     magnitude = torch.cat([state[k].detach().abs().reshape(-1).to(torch.float32) for k in keys])
@@ -106,10 +183,15 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
     ``train_received_only``: gradients of entries that arrived as zero are masked, so only the
     received subset trains (freezing baselines). ``up_density`` < 1: the update is cut to its own
     top-k (Alg. 1 lines 11-12), with no memory of what was dropped (no error feedback).
+    ``dense_head``: the non-LoRA tensors are neither frozen nor sparsified (a zero-initialised
+    head bias would otherwise count as "not received").
     """
+    dense_head = bool(task.config.get("dense_head"))
     handles = []
     if task.config.get("train_received_only"):
         for key, value in task.payload.items():
+            if dense_head and lora_matrix(key) is None:
+                continue
             received = (value != 0).to(value.dtype)
             handles.append(slot.params[key].register_hook(lambda grad, m=received: grad * m))
     try:
@@ -119,7 +201,10 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
             handle.remove()
     up_density = float(task.config.get("up_density", 1.0))
     if up_density < 1:
-        result.update = topk_sparsify(result.update, up_density, task.config.get("mask_scope", "global"))
+        update = result.update
+        masked = {k: v for k, v in update.items() if not (dense_head and lora_matrix(k) is None)}
+        sparse = topk_sparsify(masked, up_density, task.config.get("mask_scope", "global"))
+        result.update = {k: sparse.get(k, v) for k, v in update.items()}
     return result, stats
 
 
@@ -133,9 +218,21 @@ class Flasc(Algorithm):
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
         self.options: SparsityOptions = validate_options(SparsityOptions, cfg.strategy.model_extra or {}, "strategy")
+        if self.options.mask_score == "product":
+            unpaired = [k for k in ctx.slot.trainable if lora_matrix(k) and lora_partner(k) not in ctx.slot.trainable]
+            if unpaired:
+                raise ConfigError("strategy.mask_score", f"product needs both LoRA factors trainable; {unpaired[0]} "
+                                  "has no trainable partner (use magnitude)")
+        self.check_init()
         self.dense: State = {}
         self.mask: dict[str, torch.Tensor] | None = None  # fixed/pruned pattern of the freezing baselines
         self.last: dict[str, Any] = {}
+
+    def check_init(self) -> None:
+        """Refuse FeDeRA's svd init where clients would train (and the server evaluate) masked LoRA."""
+        o = self.options
+        if o.down_density < 1 or o.down_density_decay < 1:
+            refuse_svd_init(self.cfg.adapter, f"{self.name}'s download mask (strategy.down_density < 1)")
 
     # -- densities and masks -------------------------------------------------------------------
     def down_density(self, round_idx: int) -> float:
@@ -146,10 +243,23 @@ class Flasc(Algorithm):
         o = self.options
         return scheduled_density(o.up_density, o.up_density_decay, o.decay_every, round_idx)
 
+    def maskable(self, state: State) -> State:
+        """The tensors weight masks cover: all, or with ``dense_head`` the LoRA ones only."""
+        return {k: v for k, v in state.items() if not (self.options.dense_head and lora_matrix(k) is None)}
+
+    def scores(self, state: State) -> State:
+        """:func:`weight_scores` of the maskable tensors of ``state`` under ``mask_score``."""
+        scale = self.cfg.adapter.lora_alpha / self.cfg.adapter.r
+        return weight_scores(self.maskable(state), self.options.mask_score, scale)
+
+    def weight_masks(self, density: float) -> dict[str, torch.Tensor]:
+        """Top-``density`` of the dense weights by score (tensors without a mask stay whole)."""
+        return topk_masks(self.scores(self.dense), density, self.options.mask_scope)
+
     def download_masks(self, round_idx: int) -> dict[str, torch.Tensor] | None:
         """Alg. 1 line 5: top-``d_down`` of |P|, recomputed from the dense weights every round."""
         density = self.down_density(round_idx)
-        return None if density >= 1 else topk_masks(self.dense, density, self.options.mask_scope)
+        return None if density >= 1 else self.weight_masks(density)
 
     def download(self, round_idx: int) -> State:
         """Alg. 1 line 8: what every client of ``round_idx`` receives (P masked)."""
@@ -172,9 +282,11 @@ class Flasc(Algorithm):
             "up_density": self.up_density(round_idx),
             "mask_scope": self.options.mask_scope,
             "train_received_only": self.freeze_clients and masks is not None,
+            "dense_head": self.options.dense_head,
         }
         self.last = {"down_density": 1.0 if masks is None else mask_density(masks),
-                     "up_density": config["up_density"]}
+                     "up_density": config["up_density"],
+                     "down_kept": group_fractions(self.dense, masks or {})}
         return [ClientTask(client_id=c, payload=payload, config=dict(config)) for c in clients]
 
     def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
@@ -183,6 +295,9 @@ class Flasc(Algorithm):
 
     def aggregate(self, round_idx: int, global_state: State, results: Sequence[ClientResult]) -> State:
         """Alg. 1 lines 14-15 on the dense P (not the masked copy), then the deployed (masked) model."""
+        uploads = [group_fractions(r.update, {k: v != 0 for k, v in r.update.items()}) for r in results]
+        self.last["up_kept"] = {group: float(np.mean([u[group] for u in uploads]))
+                                for group in GROUPS if uploads and group in uploads[0]}
         self.dense = self.strategy.aggregate(self.dense, results)
         self.after_step(round_idx)
         return self.download(round_idx + 1)
@@ -191,13 +306,7 @@ class Flasc(Algorithm):
         metrics = dict(self.last)
         if self.mask is not None:
             metrics["mask_density"] = mask_density(self.mask)
-        strategy = self.strategy
-        if isinstance(strategy, FedAdamW) and strategy.dp:
-            metrics["dp_epsilon"] = dp_fedadam_epsilon(
-                strategy.options.dp_noise_multiplier, self.cfg.clients_per_round(), self.cfg.partition.num_clients,
-                round_idx, self.options.dp_delta, self.options.dp_simulated_cohort)
-            metrics["dp_delta"] = self.options.dp_delta
-            metrics["update_norms"] = strategy.last_norms
+            metrics["mask_kept"] = group_fractions(self.dense, self.mask)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,12 +335,23 @@ class SparseAdapter(Flasc):
     name = "sparse_adapter"
     freeze_clients = True
 
+    def check_init(self) -> None:
+        if self.options.down_density < 1:
+            refuse_svd_init(self.cfg.adapter, f"{self.name}'s pruning (strategy.down_density < 1)")
+
+    def initial_state(self, state: State) -> State:
+        public = super().initial_state(state)
+        if self.options.dense_rounds > 0:
+            return public
+        self.after_step(0)  # pruning at initialisation
+        return self.download(1)
+
     def download_masks(self, round_idx: int) -> dict[str, torch.Tensor] | None:
         return self.mask
 
     def after_step(self, round_idx: int) -> None:
         if self.mask is None and round_idx >= self.options.dense_rounds:
-            self.mask = topk_masks(self.dense, self.options.down_density, self.options.mask_scope)
+            self.mask = self.weight_masks(self.options.down_density)
         if self.mask is not None:
             self.dense = apply_masks(self.dense, self.mask)
 
@@ -242,9 +362,13 @@ class AdapterLTH(SparseAdapter):
 
     name = "adapter_lth"
 
+    def check_init(self) -> None:
+        refuse_svd_init(self.cfg.adapter, f"{self.name}'s iterative pruning")
+
     def after_step(self, round_idx: int) -> None:
         if round_idx % self.options.prune_every == 0:
-            alive = self.mask or {k: torch.ones_like(v, dtype=torch.bool) for k, v in self.dense.items()}
-            self.mask = magnitude_prune(self.dense, alive, self.options.prune_fraction)
+            scores = self.scores(self.dense)
+            alive = self.mask or {k: torch.ones_like(v, dtype=torch.bool) for k, v in scores.items()}
+            self.mask = magnitude_prune(scores, alive, self.options.prune_fraction)
         if self.mask is not None:
             self.dense = apply_masks(self.dense, self.mask)

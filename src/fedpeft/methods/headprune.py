@@ -212,6 +212,7 @@ class HeadPruning(Algorithm):
 
     name = "headprune"
     robust_aggregations = ("none", "clip")  # Eq. 8 weights heads by importance: no median / trimmed mean
+    server_dp = False  # Eq. 8 + the strategy's step, not strategy.aggregate
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)

@@ -7,12 +7,19 @@ update back to rank r and averages over all sampled clients, so ranks a client d
 count as "no change" from it (FLASC's ``train_sparse_lora_het.py`` does exactly this: the
 pseudo-gradient of a masked-out entry is zero), then applies the configured server step.
 
+FeDeRA's ``adapter.init: svd`` is refused when a tier is below r: a rank-r_i client's model would
+lack components r_i..r of W0's principal part (they live in the A rows / B columns it does not
+hold, not in the frozen residual W0 - scale B0 A0).
+
 Choices: ``strategy.rank_tiers`` (default: FLASC's 4^b tiers up to r, e.g. [1, 4, 16] for r = 16)
 and ``strategy.rank_assignment``: ``random`` (default; the paper draws each client's tier
 uniformly at random, seeded from the run seed) or ``modulo`` (tier = client id mod #tiers, as
 FLASC's released code does). The client's LoRA keeps the global scale alpha / r (FLASC's clients
-mask the global module rather than re-scaling). The average is sample-weighted like every
-strategy here (FLASC's code uses the plain mean over clients; equal shards make them equal).
+mask the global module rather than re-scaling). The ``hetlora`` recipe averages sample-weighted
+into Reddi et al.'s FedAdam (the paper's "FedAdam"); the ``hetlora_released`` recipe is the
+released ``train_sparse_lora_het.py``: tiers by client id mod 3, the plain mean over the sampled
+clients (``weighting: uniform``) into ``torch.optim.AdamW`` (``fedadamw``: lr 5e-3, betas
+0.9/0.999, weight decay 0.01, bias correction), LoRA dropout 0.1.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedpeft.adapters.federa import refuse_svd_init
 from fedpeft.config import ConfigError
 from fedpeft.federated.algorithm import register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
@@ -87,6 +95,8 @@ class HetLora(LoraFedAvg):
             raise ConfigError("strategy.rank_tiers", f"tiers {bad} outside 1..adapter.r ({rank})")
         if not any(lora_matrix(k) for k in self.ctx.slot.trainable):
             raise ConfigError("adapter.kind", "hetlora slices LoRA matrices; use adapter.kind lora")
+        if min(tiers) < rank:
+            refuse_svd_init(self.cfg.adapter, f"hetlora's rank-{min(tiers)} slices of the rank-{rank} LoRA")
         n = self.cfg.partition.num_clients
         if options.rank_assignment == "modulo":
             tier_of = np.arange(n) % len(tiers)

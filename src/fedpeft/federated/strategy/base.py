@@ -54,6 +54,11 @@ class Strategy(ABC):
 
         return self.step(global_state, robust_delta(self.cfg, results, self.weighting))
 
+    def server_privacy(self, rounds: int, cohort: int, population: int) -> dict[str, Any] | None:
+        """The client-level DP guarantee of the server's own noise after ``rounds`` rounds of ``cohort``
+        clients sampled from ``population`` (``epsilon``, ``delta``, ...); None when it adds none."""
+        return None
+
     @abstractmethod
     def step(self, global_state: State, delta: State) -> State:
         """Apply the averaged update ``delta`` (a pseudo-gradient pointing downhill) to the state."""

@@ -18,7 +18,9 @@ vector), the clipped updates are summed, divided by C, Gaussian noise N(0, sigma
 of clients is the pseudo-gradient (exactly the released code's order). The noise is drawn from a
 generator seeded by ``(noise_seed, server step)`` so simulations resume bit-identically;
 ``noise_seed: null`` draws it from OS entropy instead (what a real deployment must do).
-The privacy budget is computed by :mod:`fedpeft.federated.privacy`.
+The privacy budget (:meth:`FedAdamW.server_privacy`, logged every round as ``server_privacy`` and
+in ``summary.json`` as ``server_dp_epsilon``) is computed by :mod:`fedpeft.federated.privacy` at
+``dp_delta`` (1e-5), for the run's cohort or, with ``dp_simulated_cohort``, for a simulated one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedpeft.config import ConfigError
+from fedpeft.federated.privacy import dp_fedadam_epsilon
 from fedpeft.federated.strategy.base import Strategy, register_strategy
 from fedpeft.federated.strategy.robust import robust_delta
 from fedpeft.federated.types import ClientResult, State
@@ -44,6 +47,8 @@ class FedAdamWOptions(BaseModel):
 
     weight_decay: float = Field(0.01, ge=0)
     eps: float = Field(1e-8, gt=0)
+    dp_delta: float = Field(1e-5, gt=0, lt=1)
+    dp_simulated_cohort: int | None = Field(None, gt=0)
     dp_clip_norm: float = Field(0.0, ge=0)
     dp_noise_multiplier: float = Field(0.0, ge=0)
     noise_seed: int | None = 0
@@ -131,6 +136,19 @@ class FedAdamW(Strategy):
         else:  # strategy.robust (clip, median, trimmed mean) or the plain mean
             delta = robust_delta(self.cfg, results, self.weighting)
         return self.step(global_state, delta)
+
+    def server_privacy(self, rounds: int, cohort: int, population: int) -> dict[str, Any] | None:
+        """DP-FedAdam's client-level (epsilon, delta) after ``rounds`` rounds, and this round's update norms."""
+        if not self.dp:
+            return None
+        o = self.options
+        if (o.dp_simulated_cohort or cohort) > population:
+            raise ConfigError("strategy.dp_simulated_cohort", f"a cohort of {o.dp_simulated_cohort or cohort} exceeds "
+                              f"the {population} clients of partition.num_clients")
+        return {"epsilon": dp_fedadam_epsilon(o.dp_noise_multiplier, cohort, population, rounds, o.dp_delta,
+                                              o.dp_simulated_cohort),
+                "delta": o.dp_delta, "noise_multiplier": o.dp_noise_multiplier, "clip_norm": o.dp_clip_norm,
+                "simulated_cohort": o.dp_simulated_cohort, "update_norms": list(self.last_norms)}
 
     def step(self, global_state: State, delta: State) -> State:
         """AdamW on ``grad = -delta`` for the keys in ``delta``; the other keys are left alone."""

@@ -117,6 +117,7 @@ def parse_options(cfg: ExperimentConfig) -> FedPepTAOOptions:
 class FedPepTAO(Algorithm):
     name = "fedpeptao"
     robust_aggregations = ("none", "clip")  # Alg. 2's control variates need each device's own delta
+    server_dp = False  # Alg. 2's own server step
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
