@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fedpeft.claims import references
 from fedpeft.config import ConfigError
 from fedpeft.sweep import expand
 from tests.conftest import tiny_raw_config, write_toy_sentiment
@@ -91,3 +92,23 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "toy_tradeoff.png").stat().st_size > 0
     # finished work is skipped: a second call only rewrites the results
     assert main(["sweep", str(path)]) == 0
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_committed_sweep_files_validate(path: Path) -> None:
+    """Every committed benchmark file expands, and every run and ceiling config it makes validates, so a
+    sweep that takes hours does not die at its 40th run on a typo."""
+    from fedpeft.config import build_config
+    from fedpeft.sweep import load_sweep
+
+    raw = yaml.safe_load(path.read_text())
+    if "methods" not in raw and "grid" not in raw:
+        pytest.skip(f"{path.name} is a base config, not a sweep")
+    sweep = load_sweep(path)
+    assert sweep.runs
+    for run in sweep.runs:
+        build_config(run.raw)
+    for claim in sweep.spec.claims if sweep.is_benchmark else []:
+        names = {ref[0] for ref in references(claim.check)}
+        assert names <= set(sweep.spec.methods), f"{claim.id} names a method the file does not run"
