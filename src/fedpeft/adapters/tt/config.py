@@ -20,9 +20,21 @@ Besides the bottleneck fields (``bottleneck_size`` 64, ``non_linearity`` relu, `
   A small value (1e-3) starts the adapter near identity, as LoRA's B = 0 does (centralised SST-2,
   AdamW 5e-3, batch 16: accuracy 0.675 vs 0.555 after 45 steps, 0.78 vs 0.725 after 135). Not 0:
   with an exactly zero core the other Up cores and Down get no gradient until it moves.
+- ``tt_contraction``: how a TT layer is applied (:mod:`fedpeft.adapters.tt.layer`): ``rebuild``
+  (default: W from the cores, then x @ W, LoRETTA's forward), ``direct`` (the activations through
+  the cores one by one, W never built; needs mode lists whose leading modes multiply to IN, as
+  every table and factorized shape does), ``auto`` (per layer and call, the cheaper of the two by
+  :func:`~fedpeft.adapters.tt.layer.contraction_flops` for the number of tokens). All three compute
+  the same function up to rounding (|diff| ~3e-6 on outputs of order 1 in fp32). ``rebuild`` stays
+  the default: it keeps results bit-identical to earlier runs, and it is the faster one on CPU. By
+  FLOPs ``direct`` wins already at adapter size (a 768 x 64 layer over 2,048 tokens: 29 MFLOP vs
+  202 MFLOP, so ``auto`` picks it), yet its forward + backward took 31 ms vs 9 ms on one CPU thread
+  (the permutes of the N x IN activations are memory-bound); 4096 x 64: 162 ms vs 52 ms.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -35,6 +47,7 @@ class TTOptions(BottleneckOptions):
     tt_max_mode: int = Field(16, ge=2)
     tt_classifier: bool = False
     tt_up_init_scale: float = Field(1.0, gt=0)
+    tt_contraction: Literal["rebuild", "direct", "auto"] = "rebuild"
 
     @field_validator("tt_shapes")
     @classmethod

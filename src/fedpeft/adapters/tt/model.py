@@ -52,7 +52,12 @@ class TTAdapter(Adapter):
 
     def linear(self, in_features: int, out_features: int) -> TTLinear:
         modes = tt_shape(in_features, out_features, self.options.tt_max_mode, self.options.tt_shapes)
-        return TTLinear(in_features, out_features, modes, self.options.tt_rank)
+        try:
+            return TTLinear(in_features, out_features, modes, self.options.tt_rank,
+                            contraction=self.options.tt_contraction)
+        except ValueError as err:
+            raise ConfigError("adapter.tt_contraction", f"{err}: use rebuild or auto, or reorder "
+                              f"adapter.tt_shapes['{in_features}x{out_features}']") from err
 
     def inject(self, backbone: Backbone) -> None:
         adapted = inject_bottlenecks(backbone.model, self.cfg, self.options, self.linear)
