@@ -12,6 +12,7 @@ import torch
 from fedpeft.adapters.base import build_adapter
 from fedpeft.adapters.bottleneck import AdaptedLayer
 from fedpeft.adapters.lora import default_target_modules
+from fedpeft.adapters.tt import TTLinear
 from fedpeft.config import AdapterConfig, ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
 from fedpeft.models import mpnet
@@ -92,3 +93,19 @@ def test_real_mpnet_loads_at_paper_width(single_torch_thread: None) -> None:
     build_adapter(AdapterConfig(kind="tt")).apply(backbone)  # FedTT's placement: after attention and FFN
     adapted = [name for name, m in backbone.model.named_modules() if isinstance(m, AdaptedLayer)]
     assert len(adapted) == 24 and sum(name.endswith("attention.attn.o") for name in adapted) == 12
+    # the new dense + out_proj head: tt_classifier auto tensorizes its 768 x 768 dense layer (Table 10's shape)
+    assert isinstance(backbone.model.classifier.dense, TTLinear)
+    assert backbone.model.classifier.dense.modes == [12, 8, 8, 8, 8, 12]
+
+
+@pytest.mark.real
+def test_real_minilm_keeps_its_pretrained_pooler(single_torch_thread: None) -> None:
+    """MiniLM's head is BERT's: a pretrained pooler and a linear classifier, so auto leaves it dense."""
+    try:
+        backbone = load_backbone(ModelConfig(name="minilm"), TASK, 0)
+    except ConfigError as err:
+        pytest.skip(str(err))
+    assert set(backbone.new_parameters) == {"classifier.weight", "classifier.bias"}
+    build_adapter(AdapterConfig(kind="tt")).apply(backbone)
+    assert isinstance(backbone.model.bert.pooler.dense, torch.nn.Linear)
+    assert not backbone.model.bert.pooler.dense.weight.requires_grad

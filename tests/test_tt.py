@@ -305,3 +305,26 @@ def test_decoder_layout_on_a_tiny_llama(layout: str, placements: dict[str, str])
     model(input_ids=ids, labels=torch.tensor([0, 1, 1])).loss.backward()
     cores = [p for name, p in model.named_parameters() if ".cores." in name]
     assert cores and all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in cores)
+
+
+@pytest.mark.parametrize("arch,dense,tensorized", [
+    ("roberta", "classifier.dense", True),  # the checkpoint has no head: a new 32 x 32 dense layer
+    ("bert", "bert.pooler.dense", False),  # BERT's pooler is in the checkpoint (as in MiniLM)
+])
+def test_tensorized_classifier_by_default_where_the_dense_layer_is_new(tmp_path: Path, arch: str, dense: str,
+                                                                      tensorized: bool) -> None:
+    """``tt_classifier: auto`` tensorizes the head's hidden x hidden layer only where it was not pretrained."""
+    tiny = load_backbone(ModelConfig(name=f"tiny-{arch}"), TASK, 0)
+    encoder = getattr(tiny.model, arch)  # save the encoder alone: a checkpoint without a task head
+    encoder.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    backbone = load_backbone(ModelConfig(name=str(tmp_path)), TASK, 0)
+    assert (f"{dense}.weight" in backbone.new_parameters) == tensorized
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8)).apply(backbone)  # tt_classifier: auto
+    assert isinstance(backbone.model.get_submodule(dense), TTLinear) == tensorized
+    forced = load_backbone(ModelConfig(name=str(tmp_path)), TASK, 0)
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_classifier=not tensorized)).apply(forced)
+    assert isinstance(forced.model.get_submodule(dense), TTLinear) != tensorized
+    # tiny random models have no checkpoint: auto keeps their dense layer, as before
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8)).apply(tiny)
+    assert not isinstance(tiny.model.get_submodule(dense), TTLinear)

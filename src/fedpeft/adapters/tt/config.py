@@ -9,9 +9,14 @@ Besides the bottleneck fields (``bottleneck_size`` 64, ``non_linearity`` relu, `
   of :mod:`fedpeft.adapters.tt.shapes`.
 - ``tt_max_mode``: the largest mode the factorization rule may use (16: the largest in Table 10).
 - ``tt_classifier``: replace the hidden x hidden dense layer of the classification head
-  (``pooler.dense`` for BERT, ``classifier.dense`` for RoBERTa, ``classification_head.dense``
-  for BART) by a trainable TT layer (FedTT Fig. 1c). Off by default: that layer is pretrained in
-  BERT-style checkpoints (MiniLM), and the TT layer replacing it starts from LoRETTA's random init.
+  (``pooler.dense`` for BERT and DeBERTa, ``classifier.dense`` for RoBERTa and MPNet,
+  ``classification_head.dense`` for BART) by a trainable TT layer (FedTT Fig. 1c). ``auto``
+  (default): only where the checkpoint did not provide that layer, i.e. where it would otherwise be
+  a new dense hidden x hidden layer trained and sent in full (RoBERTa/DeBERTa/MPNet-style
+  dense + out_proj heads and DeBERTa's pooler: 768 x 768 = 590k parameters, ten times FedTT's
+  adapters); not where it is pretrained (BERT's pooler: MiniLM keeps it, frozen) nor on tiny random
+  models (no checkpoint). ``true`` forces it (an error where the head has no such layer), ``false``
+  keeps the dense layer. The TT layer starts from LoRETTA's random init either way.
 - ``tt_up_init_scale``: multiplies the last core of every Up TT layer at init and, when not 1,
   zeroes the Up bias. 1 (default) is LoRETTA's init as the paper uses it: both projections are
   Xavier-like, so at round 0 every adapter adds about 30% of |h| to the residual stream; on
@@ -45,7 +50,7 @@ class TTOptions(BottleneckOptions):
     tt_rank: int = Field(5, gt=0)
     tt_shapes: dict[str, list[int]] | None = None
     tt_max_mode: int = Field(16, ge=2)
-    tt_classifier: bool = False
+    tt_classifier: bool | Literal["auto"] = "auto"
     tt_up_init_scale: float = Field(1.0, gt=0)
     tt_contraction: Literal["rebuild", "direct", "auto"] = "rebuild"
 
