@@ -12,8 +12,8 @@ shapes) that :func:`build_codec` is given. With ~290 small tensors (FedTT on Min
 safetensors header is ~35 KB of a message; packed, it is 17 + ceil(290 / 8) = 54 bytes, so the
 bytes track the parameters. A packed message names the schema by an 8-byte digest; a message of
 another schema, dtype or length is rejected like any corrupt message. Packing needs a method that
-sends whole tensors of the global state (every one but ``hetlora``, which sends slices of a
-per-client rank).
+sends whole tensors of the global state; ``hetlora`` with tiers below its rank sends slices and
+refuses ``pack`` at start-up.
 """
 
 from __future__ import annotations
