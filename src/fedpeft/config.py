@@ -225,13 +225,23 @@ class StrategyConfig(_Strict):
 
 
 class DirectionCodecConfig(_Strict):
-    """How one direction (down or up) is encoded."""
+    """How one direction (down or up) is encoded. ``pack`` (dense codec only): one packed buffer
+    behind a 17-byte header and a presence bitmask instead of safetensors' per-tensor JSON header,
+    names and shapes being known to both sides (:func:`fedpeft.federated.codec.pack_state`)."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     kind: str = "dense"
     dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     density: Density = 1.0
+    pack: bool = False
+
+    @model_validator(mode="after")
+    def _pack_is_dense(self) -> DirectionCodecConfig:
+        if self.pack and self.kind != "dense":
+            raise ValueError(f"pack is an option of the dense codec, not of {self.kind!r} (which has its own "
+                             "compact format)")
+        return self
 
 
 class CodecConfig(_Strict):

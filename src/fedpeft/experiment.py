@@ -23,7 +23,7 @@ from fedpeft.data.tasks import load_task, resolve_data_dir, task_names
 from fedpeft.data.types import Example, TaskData
 from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
 from fedpeft.federated.client import ModelSlot
-from fedpeft.federated.codec import Codec, build_codec
+from fedpeft.federated.codec import Codec, build_codec, schema_of
 from fedpeft.federated.dp_sgd import per_sample_gradient_problems
 from fedpeft.federated.privacy import PrivacyLedger
 from fedpeft.federated.types import State
@@ -121,8 +121,9 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     return Experiment(
         cfg=cfg, task=task, shards=shards, train_rows=train_rows, backbone=backbone, slot=slot, train_data=train_data,
         eval_data=eval_data, validation_data=validation_data, algorithm=algorithm,
-        down_codec=build_codec(cfg.codec.down, "down"),
-        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state, privacy=privacy,
+        down_codec=build_codec(cfg.codec.down, "down", schema_of(initial_state)),
+        up_codec=build_codec(cfg.codec.up, "up", schema_of(initial_state)), initial_state=initial_state,
+        privacy=privacy,
     )
 
 

@@ -176,7 +176,7 @@ def serve_task(exp: Experiment, wire: WireTask) -> Outcome:
         codec_seconds += time.perf_counter() - t0
         for fault in faults:
             if fault.kind in MESSAGE_FAULTS:
-                message = damage(message, fault.kind)
+                message = damage(message, fault.kind, exp.up_codec.schema)
     except CodecError as err:
         return ClientFailure(cid, "rejected", f"undecodable message: {err}")
     except Exception as err:  # a failing client must not take the round down

