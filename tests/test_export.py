@@ -31,9 +31,15 @@ RECIPES: dict[str, dict[str, Any]] = {
     "prompt_tuning": {"adapter": {"kind": "prompt_tuning", "num_virtual_tokens": 4}},
     "full": {"adapter": {"kind": "full"}, "client": {"lr": 0.001}},
     "fedtt": {"adapter": {"kind": "tt", "tt_rank": 2, "bottleneck_size": 8}},
+    "ffa_lora": {"adapter": {"kind": "ffa_lora", "r": 4, "alpha": 8}},
+    "hetlora": {"method": "hetlora", "strategy": {"name": "fedadam", "rank_tiers": [1, 4], "server_lr": 0.01}},
+    "flasc": {"method": "flasc", "strategy": {"name": "fedadamw", "server_lr": 0.01, "down_density": 0.5,
+                                              "up_density": 0.5}, "codec": {"down": {"kind": "topk"},
+                                                                            "up": {"kind": "topk"}}},
 }
 FORMATS = {"lora": ("peft", "merged"), "federa": ("peft", "merged"), "ia3": ("peft", "merged"),
-           "p_tuning_v2": ("peft",), "prompt_tuning": ("peft",), "full": ("merged",), "fedtt": ("bundle",)}
+           "p_tuning_v2": ("peft",), "prompt_tuning": ("peft",), "full": ("merged",), "fedtt": ("bundle",),
+           "ffa_lora": ("peft",), "hetlora": ("peft",), "flasc": ("peft", "merged")}
 
 # Runs with nothing from fedpeft importable: the export must stand on transformers + PEFT alone.
 PLAIN_LOADER = r'''
@@ -122,7 +128,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "runs": runs, "plain": plain, "eval": eval_, "train": train}
 
 
-@pytest.mark.parametrize("recipe", ["lora", "federa", "ia3", "p_tuning_v2", "prompt_tuning", "full"])
+@pytest.mark.parametrize("recipe", ["lora", "federa", "ia3", "p_tuning_v2", "prompt_tuning", "full", "ffa_lora",
+                                    "hetlora", "flasc"])
 def test_plain_peft_and_transformers_compute_fedpeft_evaluation_logits(exported: dict[str, Any], recipe: str) -> None:
     expected = evaluation_logits(exported["runs"][recipe])
     assert expected.shape == (12, 2)

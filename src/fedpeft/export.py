@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -356,7 +357,9 @@ def peft_equivalent(run: Run, pristine: Backbone) -> PeftModel:
     """A PEFT model on ``pristine`` (consumed) that computes what the run's trained model computes."""
     cfg, trained = run.cfg, run.backbone.model
     config = peft_config(run, pristine)
-    peft_model = get_peft_model(pristine.model, config)
+    with warnings.catch_warnings():  # transformers 5 deprecates an attribute PEFT 0.21 reads: not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(pristine.model, config)
     targets = dict(peft_model.named_parameters())
     values = dict(trained.named_parameters())
     if cfg.adapter.init == "svd" and cfg.adapter.kind in LORA_KINDS:
