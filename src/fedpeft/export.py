@@ -31,7 +31,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import yaml
@@ -52,7 +52,6 @@ from fedpeft.experiment import build_model, load_data
 from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, CheckpointError, ExportError, check_state
 from fedpeft.models.backbone import AUTO_CLASSES, Backbone, Head, load_backbone
 
-ExportFormat = Literal["peft", "merged", "bundle"]
 EXPORT_FORMATS: tuple[str, ...] = ("peft", "merged", "bundle")
 METADATA = "fedpeft_export.json"
 BUNDLE_WEIGHTS = "trainable.safetensors"
@@ -169,12 +168,9 @@ def load(path: str | os.PathLike[str], data_dir: str | None = None) -> LoadedMod
         return _load_export(source)
     run = read_run(source, data_dir)
     backbone = run.backbone
-    return LoadedModel(backbone.model, backbone.tokenizer, _meaning(run.task), run.cfg, backbone.head, "run", source,
+    meaning = task_from_record(task_record(run.task))  # the labels and metrics, not the examples
+    return LoadedModel(backbone.model, backbone.tokenizer, meaning, run.cfg, backbone.head, "run", source,
                        backbone.template)
-
-
-def _meaning(task: TaskData) -> TaskData:
-    return task_from_record(task_record(task))
 
 
 def read_metadata(directory: Path) -> dict[str, Any]:
@@ -286,19 +282,18 @@ def check_exportable(run: Run, fmt: str) -> None:
 def _write_standard(run: Run, out: Path, fmt: str) -> str:
     """Write a ``peft`` or ``merged`` export plus the tokenizer; returns the base model's path."""
     cfg, backbone = run.cfg, run.backbone
-    pristine = load_backbone(cfg.model, run.task, cfg.seed)  # W0 and the seeded head, as before round 1
-    _name_labels(pristine.model, run.task)
-    random_base = cfg.model.name.startswith("tiny-")
-    base_path = str(pristine.model.config._name_or_path or cfg.model.name)
-    if fmt == "peft" and random_base:
-        pristine.model.save_pretrained(str(out / BASE_DIR))
-        pristine.tokenizer.save_pretrained(str(out / BASE_DIR))
-        base_path = BASE_DIR
+    base_path = str(backbone.model.config._name_or_path or cfg.model.name)
     backbone.tokenizer.save_pretrained(str(out))
-    if fmt == "merged" and cfg.adapter.kind in ("full", "bitfit"):
+    if fmt == "merged" and cfg.adapter.kind in ("full", "bitfit"):  # the trained backbone is the model
         _name_labels(backbone.model, run.task)
         backbone.model.save_pretrained(str(out))
         return base_path
+    pristine = load_backbone(cfg.model, run.task, cfg.seed)  # W0 and the seeded head, as before round 1
+    _name_labels(pristine.model, run.task)
+    if fmt == "peft" and cfg.model.name.startswith("tiny-"):  # a random base exists nowhere else
+        pristine.model.save_pretrained(str(out / BASE_DIR))
+        pristine.tokenizer.save_pretrained(str(out / BASE_DIR))
+        base_path = BASE_DIR
     peft_model = peft_equivalent(run, pristine)
     if fmt == "merged":
         peft_model.merge_and_unload().save_pretrained(str(out))
