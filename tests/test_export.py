@@ -246,3 +246,22 @@ def test_bad_input_is_one_line_on_stderr(exported: dict[str, Any], tmp_path: Pat
     line = _one_line_error(["export", str(runs["lora"]), "--out", str(tmp_path / "x"), "--push-to-hub", "me/model"],
                            capsys)
     assert "HF_HUB_OFFLINE" in line
+
+
+def test_predict_generation_writes_the_texts_fedpeft_generates(tmp_path: Path) -> None:
+    from fedpeft.models.generation import generate_texts
+    from tests.test_generation import generation_raw
+
+    raw = generation_raw(tmp_path, "gpt2", rounds=1)
+    LocalEngine(prepare(build_config(raw)), tmp_path / "run").run()
+    exp = prepare(build_config(_config(tmp_path / "run")))
+    exp.slot.load(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global_state"])
+    expected = generate_texts(exp.slot.model.eval(), exp.eval_data, range(len(exp.eval_data)))
+    export_run(tmp_path / "run", tmp_path / "peft", "peft")
+    inputs = tmp_path / "inputs.jsonl"  # the eval split's inputs, one per example (the file repeats them per reference)
+    pd.DataFrame({"mr": [ex.texts[0] for ex in exp.task.eval]}).to_json(inputs, orient="records", lines=True)
+    for source in ("run", "peft"):
+        out = tmp_path / f"{source}.jsonl"
+        assert main(["predict", str(tmp_path / source), "--input", str(inputs), "--output", str(out)]) == 0
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["generated_text"] for r in records] == expected, source

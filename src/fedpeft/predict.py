@@ -62,8 +62,10 @@ def read_examples(path: Path, loaded: LoadedModel, given_columns: Sequence[str])
 
     first = joined(texts)
     second = joined(pairs) if pairs else None
-    examples = [Example(texts=(first[i],) if second is None else (first[i], second[i]), label=None)
-                for i in range(len(frame))]
+    # generation encodes a training target from the first reference; predicting only reads the prompt
+    references = ("",) if loaded.task.problem_type == "generation" else ()
+    examples = [Example(texts=(first[i],) if second is None else (first[i], second[i]), label=None,
+                        references=references) for i in range(len(frame))]
     return frame[texts + pairs], examples
 
 
