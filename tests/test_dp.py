@@ -265,6 +265,12 @@ def test_unseeded_runs_draw_different_noise_and_a_seeded_run_reproduces(toy_file
     assert any(not torch.equal(first[k], second[k]) for k in first)
     assert records[-1]["privacy"]["noise_seeded"] is False
     assert summarize(records, "accuracy")["dp_noise_seeded"] is False
+    longer = dp_raw(train, eval_, tmp_path / "a", 2, None)  # an unseeded run resumes (with fresh noise)
+    resumed = LocalEngine(prepare(build_config(longer)), tmp_path / "a").run(resume=True)
+    assert [r["round"] for r in resumed] == [1, 2] and resumed[0] == records[0]
+    with pytest.raises(ConfigError, match=r"client\.dp\.reproducible_noise: replaced by client\.dp\.noise_seed"):
+        build_config(tiny_raw_config(train, eval_, tmp_path / "old", client={"dp": {"epsilon": 3.0,
+                                                                                  "reproducible_noise": True}}))
     seeded, records = final("c", 7)
     again, _ = final("d", 7)
     assert all(torch.equal(seeded[k], again[k]) for k in seeded)

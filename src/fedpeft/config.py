@@ -177,6 +177,15 @@ class DPConfig(_Strict):
     rounds: PositiveInt | None = None
     noise_seed: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reproducible_noise_was_replaced(cls, data: Any) -> Any:
+        """Configs written before ``noise_seed`` seeded the noise with ``reproducible_noise: true``."""
+        if isinstance(data, dict) and "reproducible_noise" in data:
+            raise ConfigError("client.dp.reproducible_noise", "replaced by client.dp.noise_seed: leave it unset "
+                              "for noise nobody can predict, or set an integer for a reproducible experiment")
+        return data
+
 
 class ClientConfig(_Strict):
     """Local training on a client's shard. Optimizer state is reset every round.
