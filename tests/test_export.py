@@ -232,6 +232,10 @@ def test_bad_input_is_one_line_on_stderr(exported: dict[str, Any], tmp_path: Pat
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text((runs["lora"] / "config.yaml").read_text())
     assert "no checkpoint.pt" in _one_line_error(["export", str(unfinished), "--out", str(tmp_path / "x")], capsys)
+    (unfinished / "checkpoint.pt").write_bytes((runs["lora"] / "checkpoint.pt").read_bytes())
+    (unfinished / "config.yaml").write_text((runs["lora"] / "config.yaml").read_text().replace("seed: 0", "seed: 1"))
+    line = _one_line_error(["export", str(unfinished), "--out", str(tmp_path / "x")], capsys)
+    assert "another experiment config" in line
     line = _one_line_error(["export", str(runs["lora"]), "--out", str(tmp_path / "x"), "--format", "onnx"], capsys)
     assert "--format" in line and "onnx" in line and "bundle" in line
     line = _one_line_error(["export", str(runs["p_tuning_v2"]), "--out", str(tmp_path / "x"), "--format", "merged"],

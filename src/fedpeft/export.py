@@ -49,7 +49,7 @@ from fedpeft.adapters.prompts import PREFIX_MODULE, PROMPT_MODULE, kv_geometry
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
 from fedpeft.data.types import TaskData
 from fedpeft.experiment import build_model, load_data
-from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, CheckpointError, ExportError, check_state
+from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, CheckpointError, ExportError, check_state, resume_fingerprint
 from fedpeft.models.backbone import AUTO_CLASSES, Backbone, Head, load_backbone
 
 EXPORT_FORMATS: tuple[str, ...] = ("peft", "merged", "bundle")
@@ -156,6 +156,8 @@ def read_run(run_dir: Path, data_dir: str | None = None) -> Run:
         raise ExportError(f"{run_dir} is not a directory")
     cfg = read_config(run_dir)
     checkpoint = read_checkpoint(run_dir)
+    if checkpoint.get("fingerprint") != resume_fingerprint(cfg):
+        raise ExportError(f"{run_dir / CHECKPOINT} was written by another experiment config than {run_dir / CONFIG}")
     task, _ = load_data(cfg, data_dir)
     backbone = trained_model(cfg, task, checkpoint["global_state"], run_dir / CHECKPOINT)
     return Run(cfg, task, int(checkpoint["round"]), backbone, run_dir)
