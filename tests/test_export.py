@@ -36,10 +36,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     "flasc": {"method": "flasc", "strategy": {"name": "fedadamw", "server_lr": 0.01, "down_density": 0.5,
                                               "up_density": 0.5}, "codec": {"down": {"kind": "topk"},
                                                                             "up": {"kind": "topk"}}},
+    "fedpeptao": {"method": "fedpeptao", "adapter": {"kind": "p_tuning_v2", "num_virtual_tokens": 4},
+                  "strategy": {"server_lr": 0.01, "selection_round": 1, "lanczos_iterations": 4}},
+    "bitfit": {"adapter": {"kind": "bitfit"}},
 }
 FORMATS = {"lora": ("peft", "merged"), "federa": ("peft", "merged"), "ia3": ("peft", "merged"),
            "p_tuning_v2": ("peft",), "prompt_tuning": ("peft",), "full": ("merged",), "fedtt": ("bundle",),
-           "ffa_lora": ("peft",), "hetlora": ("peft",), "flasc": ("peft", "merged")}
+           "ffa_lora": ("peft",), "hetlora": ("peft",), "flasc": ("peft", "merged"), "fedpeptao": ("peft",),
+           "bitfit": ("merged",)}
 
 # Runs with nothing from fedpeft importable: the export must stand on transformers + PEFT alone.
 PLAIN_LOADER = r'''
@@ -129,7 +133,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("recipe", ["lora", "federa", "ia3", "p_tuning_v2", "prompt_tuning", "full", "ffa_lora",
-                                    "hetlora", "flasc"])
+                                    "hetlora", "flasc", "fedpeptao", "bitfit"])
 def test_plain_peft_and_transformers_compute_fedpeft_evaluation_logits(exported: dict[str, Any], recipe: str) -> None:
     expected = evaluation_logits(exported["runs"][recipe])
     assert expected.shape == (12, 2)
