@@ -163,8 +163,9 @@ class DPConfig(_Strict):
     sigma of client i is the smallest that keeps its whole run, ``rounds`` x its local steps per
     round, within (``epsilon``, ``delta``) under ``accountant`` (FedTT Prop. 1, App. D). ``rounds``
     defaults to the experiment's ``rounds`` (a client may be selected in every round). The noise
-    is seeded from the run seed so runs resume bit-identically; ``reproducible_noise: false`` draws
-    it from OS entropy with Opacus's secure sampling, as a deployment must. Each client's accountant
+    is drawn from OS entropy with Opacus's secure sampling unless ``noise_seed`` is set: whoever
+    knows the seed can regenerate the noise and subtract it, so a seed is for reproducible
+    experiments only (a seeded run resumes bit-identically). Each client's accountant
     is device-side state (it moves or stays with the client in every engine); replies report the
     epsilon spent. See :mod:`fedpeft.federated.dp_sgd` and :class:`fedpeft.federated.privacy.PrivacyLedger`.
     """
@@ -174,7 +175,16 @@ class DPConfig(_Strict):
     clip_norm: PositiveFloat = 1.0
     accountant: Literal["rdp", "prv"] = "rdp"
     rounds: PositiveInt | None = None
-    reproducible_noise: bool = True
+    noise_seed: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reproducible_noise_was_replaced(cls, data: Any) -> Any:
+        """Configs written before ``noise_seed`` seeded the noise with ``reproducible_noise: true``."""
+        if isinstance(data, dict) and "reproducible_noise" in data:
+            raise ConfigError("client.dp.reproducible_noise", "replaced by client.dp.noise_seed: leave it unset "
+                              "for noise nobody can predict, or set an integer for a reproducible experiment")
+        return data
 
 
 class ClientConfig(_Strict):

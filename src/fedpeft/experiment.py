@@ -90,14 +90,20 @@ def load_data(cfg: ExperimentConfig, data_dir: str | None = None) -> tuple[TaskD
     return task, shards
 
 
+def build_model(cfg: ExperimentConfig, task: TaskData) -> tuple[Backbone, ModelSlot]:
+    """The backbone with the configured adapter, as every run builds it before round 1 (the same
+    model, bit for bit, from the same config: a checkpoint's global state loads into it)."""
+    backbone = load_backbone(cfg.model, task, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    build_adapter(cfg.adapter).apply(backbone)
+    return backbone, ModelSlot(backbone.model, trainable_names(backbone.model))
+
+
 def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)
     task, shards = load_data(cfg, data_dir)
-    backbone = load_backbone(cfg.model, task, cfg.seed)
-    torch.manual_seed(cfg.seed)
-    build_adapter(cfg.adapter).apply(backbone)
-    slot = ModelSlot(backbone.model, trainable_names(backbone.model))
+    backbone, slot = build_model(cfg, task)
     spans = SpanSettings.from_config(cfg)
     def encode(examples: Sequence[Example]) -> EncodedData:
         data = encode_examples(examples, backbone.tokenizer, backbone.head, task, cfg.task.max_length,

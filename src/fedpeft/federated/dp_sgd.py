@@ -55,7 +55,7 @@ class ClientPrivacy:
     clip_norm: float
     expected_batch_size: int
     accountant: IAccountant
-    reproducible_noise: bool = True
+    noise_seed: int | None = None
 
 
 def poisson_batches(num_examples: int, sample_rate: float, steps: int, generator: torch.Generator
@@ -66,9 +66,11 @@ def poisson_batches(num_examples: int, sample_rate: float, steps: int, generator
 
 
 def noise_generator(privacy: ClientPrivacy, seed: int) -> torch.Generator:
-    """Seeded by the client's training seed (reproducible), or from OS entropy."""
-    return torch.Generator().manual_seed(derive_seed(seed, "dp_sgd_noise") if privacy.reproducible_noise
-                                         else secrets.randbits(63))
+    """From OS entropy, or, with ``noise_seed`` set (reproducible experiments only: the seed reveals
+    the noise), from it and the client's training seed ``seed``."""
+    if privacy.noise_seed is None:
+        return torch.Generator().manual_seed(secrets.randbits(63))
+    return torch.Generator().manual_seed(derive_seed(seed, "dp_sgd_noise", privacy.noise_seed))
 
 
 @contextmanager
@@ -90,7 +92,7 @@ def private_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, privac
 
     dp_optimizer = DPOptimizer(optimizer, noise_multiplier=privacy.noise_multiplier, max_grad_norm=privacy.clip_norm,
                                expected_batch_size=privacy.expected_batch_size, loss_reduction="mean",
-                               generator=noise_generator(privacy, seed), secure_mode=not privacy.reproducible_noise)
+                               generator=noise_generator(privacy, seed), secure_mode=privacy.noise_seed is None)
     dp_optimizer.attach_step_hook(after_noise)
     try:
         yield dp_optimizer

@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """The run directory cannot be resumed (missing, corrupt or from another experiment)."""
 
 
+class ExportError(ValueError):
+    """A run or export cannot be loaded, exported or predicted with (:mod:`fedpeft.export`); the
+    message names why, in one line."""
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -185,6 +185,18 @@ def _check_head(head: Head, architecture: Architecture, task: TaskData) -> None:
                           "or a decoder (causal_lm) model")
 
 
+AUTO_CLASSES: dict[Head, type] = {
+    "sequence_classification": AutoModelForSequenceClassification,
+    "causal_lm": AutoModelForCausalLM,
+    "seq2seq": AutoModelForSeq2SeqLM,
+    "multiple_choice": AutoModelForMultipleChoice,
+    "masked_lm": AutoModelForMaskedLM,
+    "token_classification": AutoModelForTokenClassification,
+    "question_answering": AutoModelForQuestionAnswering,
+}
+"""The transformers Auto class of each head (a masked_lm head is wrapped in a verbalizer on top)."""
+
+
 def _build_model(head: Head, source: str | None, config: PretrainedConfig, task: TaskData,
                  attn: str | None) -> tuple[nn.Module, set[str]]:
     """The model with ``head``, and the names of the parameters its checkpoint did not provide."""
@@ -198,15 +210,7 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
         config.num_labels = task.num_labels
         config.id2label = dict(enumerate(task.label_names))
         config.label2id = {name: index for index, name in enumerate(task.label_names)}
-    auto = {
-        "sequence_classification": AutoModelForSequenceClassification,
-        "causal_lm": AutoModelForCausalLM,
-        "seq2seq": AutoModelForSeq2SeqLM,
-        "multiple_choice": AutoModelForMultipleChoice,
-        "masked_lm": AutoModelForMaskedLM,
-        "token_classification": AutoModelForTokenClassification,
-        "question_answering": AutoModelForQuestionAnswering,
-    }[head]
+    auto = AUTO_CLASSES[head]
     if source is None:
         return auto.from_config(config, **kwargs), set()
     model, info = auto.from_pretrained(source, config=config, output_loading_info=True, **kwargs)

@@ -314,22 +314,26 @@ def example_mean_loss(model: nn.Module, data: EncodedData, batch: dict[str, torc
 
 
 @torch.no_grad()
-def predict(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
-    """Predicted class ids (or regression values) for the examples ``idx``."""
+def output_scores(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
+    """Per example ``idx``, the head's scores: class logits (a generative head: each label text's
+    log-likelihood), or the regression value (one column)."""
     if data.head in ("causal_lm", "seq2seq"):
         assert data.label_targets is not None
-        scores = torch.stack([
+        return torch.stack([
             _sequence_log_likelihood(model, _generative_batch(data, idx, [target] * len(idx)),
                                      data.head == "seq2seq")
             for target in data.label_targets
         ], dim=-1)
-        return scores.argmax(dim=-1)
-    batch = training_batch(data, idx)
-    batch.pop("labels")
-    logits = model(**batch).logits
-    if logits.shape[-1] == 1 and data.head == "sequence_classification" and isinstance(data.labels[0], float):
-        return logits.squeeze(-1).float()
-    return logits.argmax(dim=-1)
+    return model(**model_inputs(training_batch(data, idx))).logits
+
+
+@torch.no_grad()
+def predict(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
+    """Predicted class ids (or regression values) for the examples ``idx``."""
+    scores = output_scores(model, data, idx)
+    if scores.shape[-1] == 1 and data.head == "sequence_classification" and isinstance(data.labels[0], float):
+        return scores.squeeze(-1).float()
+    return scores.argmax(dim=-1)
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
