@@ -30,6 +30,8 @@ from tests.test_flower import (
     run_in_process,
     server_identity,  # noqa: F401  (the fixture the in-process ClientApps need)
 )
+from tests.test_generation import generation_raw
+from tests.test_torchrun import headprune_raw, run_two_ranks
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -245,6 +247,15 @@ def test_every_adapter_family_trains_and_evaluates_in_bf16_autocast(toy_files: t
         assert exp.slot.model(**batch).logits.dtype == torch.bfloat16  # autocast really ran the forward
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_text_generation_trains_and_decodes_in_bf16_autocast(tmp_path: Path, arch: str) -> None:
+    """Decoder and encoder-decoder: training, and evaluation through ``generate`` (the autocast forward)."""
+    raw = generation_raw(tmp_path, arch, rounds=1, task={"max_train_examples": 32}, evaluation={"max_new_tokens": 4})
+    raw["engine"] = {"precision": "bf16"}
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "run", Console(quiet=True)).run()
+    assert records[-1]["train_loss"] == records[-1]["train_loss"] and "rougeL" in records[-1]["eval"]
+
+
 def test_bf16_backbone_keeps_trainable_parameters_fp32(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
     raw = small_raw(toy_files, tmp_path / "run", engine={"precision": "bf16", "gradient_checkpointing": True},
                     model={"name": "tiny-bert", "dtype": "bf16"})
@@ -279,6 +290,20 @@ def test_flower_apps_in_bf16_match_the_local_engine_in_bf16(toy_files: tuple[Pat
     local = local_reference(raw, tmp_path / "local")
     assert_same_weights(engine.final_state, local.final_state)
     assert without_timing(load_metrics(tmp_path / "flower")) == without_timing(load_metrics(tmp_path / "local"))
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_in_bf16_match_the_local_engine_in_bf16(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """tests/test_torchrun.py's two gloo ranks (head pruning: importance hooks, sliced heads) under bf16 autocast."""
+    raw = headprune_raw(toy_files, tmp_path / "torchrun", "torchrun")
+    raw["engine"]["precision"] = "bf16"
+    run_two_ranks(raw, tmp_path / "exp.yaml")
+    local_raw = headprune_raw(toy_files, tmp_path / "local", "local")
+    local_raw["engine"]["precision"] = "bf16"
+    local = local_reference(local_raw, tmp_path / "local")
+    assert_same_weights(torch.load(tmp_path / "torchrun" / "checkpoint.pt", weights_only=True)["global_state"],
+                        local.final_state)
+    assert without_timing(load_metrics(tmp_path / "torchrun")) == without_timing(load_metrics(tmp_path / "local"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the node's cuda would be accepted")

@@ -15,6 +15,7 @@ state lives on the device too.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -172,6 +173,7 @@ def _quantized(param: nn.Parameter) -> bool:
 
 
 def _autocast_forward(forward: Callable[..., Any], placement: Placement) -> Callable[..., Any]:
+    @functools.wraps(forward)  # transformers reads forward's signature (generate's argument checks)
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
         with placement.autocast():
             return forward(*args, **kwargs)
