@@ -340,3 +340,19 @@ def test_4bit_minilm_lora_round_on_cuda(toy_files: tuple[Path, Path], tmp_path: 
     assert {exp.slot.params[n].dtype for n in exp.slot.trainable} == {torch.float32}
     records = LocalEngine(exp, tmp_path / "run", Console(quiet=True)).run()
     assert records[-1]["train_loss"] == records[-1]["train_loss"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: torch.cuda.is_available() is False")
+def test_a_run_checkpointed_on_cuda_resumes_on_the_cpu(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    raw = small_raw(toy_files, tmp_path / "run", engine={"device": "cuda", "deterministic": True})
+    try:
+        LocalEngine(prepare(build_config(raw)), tmp_path / "run", Console(quiet=True)).run()
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert all(v.device.type == "cpu" for v in saved["global_state"].values())
+    raw.update(rounds=2, engine={"device": "cpu"})
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "run", Console(quiet=True)).run(resume=True)
+    assert [r["round"] for r in records] == [1, 2]
