@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
@@ -439,10 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, console)
     except ConfigError as err:
-        console.print(f"[red]config error[/] {err}")
+        console.print(f"[red]config error[/] {escape(str(err))}")  # messages quote [lists] and extras[...]
         return 2
     except CheckpointError as err:
-        console.print(f"[red]cannot resume[/] {err}")
+        console.print(f"[red]cannot resume[/] {escape(str(err))}")
         return 2
     except ExportError as err:
         console.print(f"[red]error[/] {err}")

@@ -9,6 +9,7 @@ training starts; a bad value raises :class:`ConfigError` naming the field and wh
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -117,7 +118,13 @@ class PartitionConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``."""
+    """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``.
+
+    ``dtype`` holds the frozen backbone in bf16/fp16 (half its memory; needs ``engine.precision`` of
+    the same dtype); ``quantization: 4bit`` loads its linear layers as bitsandbytes NF4 with double
+    quantisation and bf16 compute (QLoRA), ``8bit`` as LLM.int8(): LoRA-family adapters only, on a
+    CUDA GPU, with ``pip install 'fedpeft[quant]'``.
+    """
 
     name: str = "minilm"
     head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm",
@@ -129,6 +136,10 @@ class ModelConfig(_Strict):
     tiny_heads: PositiveInt = 4
     template: str | None = None  # masked_lm: LM-BFF template with {0}, {1}, {mask} (default: per task)
     label_words: list[str] | None = None  # masked_lm: one word per label (default: LM-BFF's per label name)
+    # the FROZEN backbone's storage (trainable parameters and optimizer state stay fp32), and QLoRA-style
+    # bitsandbytes quantisation of its linear layers (see fedpeft.devices)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    quantization: Literal["none", "4bit", "8bit"] = "none"
 
 
 class AdapterConfig(_Strict):
@@ -276,6 +287,23 @@ class EngineConfig(_Strict):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     round_timeout: PositiveFloat | None = None
     connect_timeout: PositiveFloat = 300.0
+    device: str = "auto"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = False
+    deterministic: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device_present(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
+            raise ValueError(f"allowed: auto, cpu, cuda, cuda:N, mps (got {value!r})")
+        if value not in ("auto", "cpu"):  # asking torch costs an import; the defaults need no answer
+            from fedpeft.devices import device_problem
+
+            problem = device_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
 
 class NetworkConfig(_Strict):
@@ -430,6 +458,19 @@ class ExperimentConfig(_Strict):
             raise ConfigError("adapter.init", "svd puts W0's top-r part into LoRA A and B, so a topk download codec "
                               "(codec.down.density < 1) would cut pretrained weight out of the clients' model; use "
                               "init kaiming or gaussian, or a lossless download")
+        return self
+
+    @model_validator(mode="after")
+    def _accelerator(self) -> ExperimentConfig:
+        engine, model = self.engine, self.model
+        if (engine.precision, model.dtype, model.quantization, engine.gradient_checkpointing) == \
+                ("fp32", "fp32", "none", False):
+            return self
+        from fedpeft.devices import accelerator_problem
+
+        problem = accelerator_problem(self)
+        if problem is not None:
+            raise ConfigError(*problem)
         return self
 
     def clients_per_round(self) -> int:

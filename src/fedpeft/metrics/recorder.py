@@ -53,13 +53,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-# Engine fields that change where clients run, not what they compute: a run may resume on another engine.
-TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout")
+# Engine fields that change where clients run, not what they compute: a run may resume on another engine
+# or device (checkpoints hold CPU tensors only).
+TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout", "device", "gradient_checkpointing",
+                    "deterministic")
 
 LATER_FIELDS: dict[tuple[str, ...], Any] = {
     ("client", "dp"): None, ("client", "timeout_seconds"): None, ("task", "validation_fraction"): None,
     ("task", "validation_file"): None, ("evaluation", "splits"): ["eval", "validation"],
     ("codec", "down", "pack"): False, ("codec", "up", "pack"): False,
+    ("engine", "precision"): "fp32", ("model", "dtype"): "fp32", ("model", "quantization"): "none",
 }
 """Config fields added after runs were already checkpointed, with their defaults: left out of the
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
@@ -145,7 +148,7 @@ class Recorder:
                 raise CheckpointError(f"{saved} differs from the config given; only rounds and output.* may change")
             return None
         try:
-            state = torch.load(self.checkpoint_path, weights_only=True)
+            state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
         except Exception as err:
             raise CheckpointError(f"corrupt checkpoint {self.checkpoint_path}: {err}") from err
         missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]

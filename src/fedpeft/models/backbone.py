@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
+from fedpeft.devices import quantization_kwargs
 from fedpeft.models.mpnet import mpnet_path
 from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
@@ -48,6 +49,10 @@ Head = Literal["sequence_classification", "causal_lm", "seq2seq", "multiple_choi
 TINY_ARCHS = ("bert", "roberta", "gpt2", "llama", "t5", "bart")
 _DECODER_TYPES = {"gpt2", "llama", "mistral", "qwen2", "gemma", "opt", "gpt_neox", "phi", "falcon"}
 _ENCODER_DECODER_TYPES = {"t5", "mt5", "bart", "mbart", "pegasus", "marian"}
+# top-level modules that are the task head in transformers' *For<Task> classes: BERT/RoBERTa/DeBERTa
+# ``classifier`` (+ DeBERTa's ``pooler``, DistilBERT's ``pre_classifier``), GPT-2/LLaMA ``score``,
+# BART/T5 ``classification_head``, extractive QA ``qa_outputs``
+HEAD_MODULE_NAMES = ("classifier", "score", "qa_outputs", "classification_head", "pre_classifier", "pooler")
 
 
 @dataclass
@@ -198,9 +203,10 @@ AUTO_CLASSES: dict[Head, type] = {
 
 
 def _build_model(head: Head, source: str | None, config: PretrainedConfig, task: TaskData,
-                 attn: str | None) -> tuple[nn.Module, set[str]]:
-    """The model with ``head``, and the names of the parameters its checkpoint did not provide."""
-    kwargs: dict[str, object] = {}
+                 attn: str | None, quantization: dict[str, Any]) -> tuple[nn.Module, set[str]]:
+    """The model with ``head``, and the names of the parameters its checkpoint did not provide
+    (``quantization``: bitsandbytes' ``from_pretrained`` arguments, see :mod:`fedpeft.devices`)."""
+    kwargs: dict[str, object] = dict(quantization)
     if attn:
         kwargs["attn_implementation"] = attn
     if head == "sequence_classification":
@@ -218,8 +224,9 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
     return model, set(info.get("missing_keys", ())) | mismatched
 
 
-def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
-    """Build the model for ``task``. Random parts (heads, tiny models) are seeded by ``seed``."""
+def load_backbone(cfg: ModelConfig, task: TaskData, seed: int, device: torch.device | None = None) -> Backbone:
+    """Build the model for ``task``. Random parts (heads, tiny models) are seeded by ``seed``. It is
+    built on the CPU, except a quantised one (``model.quantization``), loaded straight onto ``device``."""
     hf_logging.set_verbosity_error()  # the load report lists the new head as "missing": expected, not news
     hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
@@ -245,7 +252,8 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
     _check_head(head, architecture, task)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
-    loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation)
+    quantization = quantization_kwargs(cfg, device or torch.device("cpu"), HEAD_MODULE_NAMES)
+    loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation, quantization)
     new_ids = {id(param) for name, param in loaded.named_parameters() if name in not_in_checkpoint}
     model, template = loaded, None
     if head == "masked_lm":

@@ -272,7 +272,8 @@ class FedPepTAO(Algorithm):
                 p.requires_grad_(True)
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # twice differentiable
                 gradient, matvec = hessian_vector_product(slot.model(**batch).loss, params)
-                delta = flat([self.initial_prompts[k] for k in self.layer_keys]) - flat(current)  # line 3
+                initial = flat([self.initial_prompts[k] for k in self.layer_keys]).to(slot.device)
+                delta = initial - flat(current)  # line 3
                 hessian_delta = matvec(delta)
                 generator = torch.Generator().manual_seed(derive_seed(seed, "fedpeptao-lanczos"))
                 nodes, weights = slq_density(matvec, delta.numel(), self.options.lanczos_iterations,

@@ -53,10 +53,10 @@ def hessian_vector_product(loss: torch.Tensor, params: Sequence[torch.Tensor]) -
     grads = torch.autograd.grad(loss, list(params), create_graph=True)
     gradient = flat(grads)
 
-    def matvec(vector: torch.Tensor) -> torch.Tensor:
-        vector = vector.to(gradient.dtype)
-        product = torch.autograd.grad(gradient, list(params), grad_outputs=vector, retain_graph=True)
-        return flat(product).detach()
+    def matvec(vector: torch.Tensor) -> torch.Tensor:  # H v where v lives (Lanczos keeps its basis on the CPU)
+        product = torch.autograd.grad(gradient, list(params), grad_outputs=vector.to(gradient.device, gradient.dtype),
+                                      retain_graph=True)
+        return flat(product).detach().to(vector.device)
 
     return gradient.detach(), matvec
 
