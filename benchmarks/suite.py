@@ -55,6 +55,9 @@ def benchmarks() -> list[dict[str, Any]]:
 def section(data: dict[str, Any]) -> list[str]:
     name = data["benchmark"]
     lines = [f"#### `{name}`", "", f"`{data['command']}` — [{name}.md](benchmarks/results/{name}.md)", ""]
+    if data.get("missing_runs"):
+        lines += [f"**Partial**: {len(data['rows'])} federated runs finished, {len(data['missing_runs'])} not yet "
+                  f"({', '.join(data['missing_runs'])}); rerun the command to finish them.", ""]
     ceilings = {row["task"]: row for row in data["ceilings"]}
     for task, row in ceilings.items():
         lines.append(f"Centralised ceiling on {task} ({row['method']}): best {row['metric']} "

@@ -92,6 +92,13 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "toy_tradeoff.png").stat().st_size > 0
     # finished work is skipped: a second call only rewrites the results
     assert main(["sweep", str(path)]) == 0
+    # --report-only runs nothing: an unfinished run is listed as such and stays unfinished
+    (tmp_path / "runs" / "toy_iid_bitfit_seed1" / "summary.json").unlink()
+    assert main(["sweep", str(path), "--report-only"]) == 0
+    partial = json.loads((tmp_path / "results" / "toy.json").read_text())
+    assert partial["missing_runs"] == ["toy_iid_bitfit_seed1"] and len(partial["rows"]) == 3
+    assert not (tmp_path / "runs" / "toy_iid_bitfit_seed1" / "summary.json").exists()
+    assert "Not finished (left out): toy_iid_bitfit_seed1" in (tmp_path / "results" / "toy.md").read_text()
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks").glob("*.yaml")),

@@ -158,9 +158,12 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
-    from fedpeft.sweep import run_sweep
+    from fedpeft.sweep import load_sweep, run_sweep
 
-    sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print)
+    if args.report_only:
+        sweep = load_sweep(Path(args.sweep))
+    else:
+        sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print)
     if sweep.is_benchmark:
         from fedpeft.metrics.results import write_results
 
@@ -419,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("sweep", metavar="SWEEP.yaml")
     sweep.add_argument("--workers", type=int, default=1, help="tunes/runs at a time (subprocesses)")
     sweep.add_argument("--data-dir", help="folder of the benchmark data")
+    sweep.add_argument("--report-only", action="store_true",
+                       help="run nothing: write the results of the runs that finished (the rest listed as not run)")
     _add_report_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
     _add_deploy_parser(sub)
