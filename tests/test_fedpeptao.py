@@ -315,7 +315,8 @@ def fedpeptao_raw(train: Path, eval_: Path, run_dir: Path, rounds: int, **strate
 
 def test_only_selected_layers_cross_the_wire_after_selection(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
     train, eval_ = toy_files
-    exp = prepare(build_config(fedpeptao_raw(train, eval_, tmp_path / "run", 4, fixed_ratio=0.3)))
+    exp = prepare(build_config(fedpeptao_raw(train, eval_, tmp_path / "run", 4, fixed_ratio=0.3,
+                                             personalized_eval=True)))
     engine = LocalEngine(exp, tmp_path / "run")
     records = engine.run()
     algorithm = exp.algorithm
@@ -337,6 +338,16 @@ def test_only_selected_layers_cross_the_wire_after_selection(toy_files: tuple[Pa
         seen |= set(record["clients"])
         assert record["method"]["exchanged_layers"] == algorithm.selected
     assert partial < full
+    # personalised evaluation: every sampled device that already held a prompt, beside the global eval
+    joined: set[int] = set()
+    for record in records:
+        returning = sorted(str(c) for c in record["clients"] if c in joined)
+        assert sorted(record["method"].get("personalized_eval", {})) == returning
+        if returning:
+            accuracies = [m["accuracy"] for m in record["method"]["personalized_eval"].values()]
+            assert record["method"]["personalized_mean"]["accuracy"] == pytest.approx(np.mean(accuracies))
+        joined |= set(record["clients"])
+    assert any("personalized_eval" in r["method"] for r in records)
     # layers that are not exchanged stay on the devices and differ between them
     left = next(k for k in layers if k not in chosen)
     owners = [c for c in algorithm.client_prompts if c in seen]

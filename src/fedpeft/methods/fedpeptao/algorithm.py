@@ -34,7 +34,9 @@ averaged ``ratio`` and the ``selected_layers``, so that a reader can redo Alg. 1
 Evaluation: the paper evaluates on the tasks' dev/test sets without saying which model; we
 evaluate the global state (selected layers as aggregated, the others as of round t). The authors'
 released code evaluates personalised models instead (each device's own prompt with the global
-selected layers), which a device-side evaluation would need; not implemented here.
+selected layers): with ``personalized_eval`` each sampled device that already holds a prompt
+evaluates that model on its own shard before it trains (device-side, so in every engine), and the
+round records ``personalized_eval`` (per client) and ``personalized_mean`` beside the global eval.
 
 Options (``strategy.*``; ``server_lr`` is eta^1 and ``server_momentum`` beta): ``layer_selection``
 (false: every layer always, the MomS+AdamD baseline), ``selection_round`` (t), ``score_kernel``
@@ -49,6 +51,7 @@ until the ratio moves by at most ``ratio_tolerance``), ``lanczos_probes``, ``min
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -87,6 +90,7 @@ from fedpeft.seeding import derive_seed
 LAYER_SCORES_KEY = "fedpeptao.layer_scores"
 RATIO_PROBE_KEY = "fedpeptao.ratio_probe"  # RatioProbe.as_tensor: r_i, L, lambda_min, lambda_max, exact, steps, ...
 PROBE_KEYS = (LAYER_SCORES_KEY, RATIO_PROBE_KEY)
+PERSONALIZED_PREFIX = "personalized."
 
 
 class FedPepTAOOptions(BaseModel):
@@ -113,6 +117,7 @@ class FedPepTAOOptions(BaseModel):
     server_variant: Literal["paper", "released"] = "paper"
     server_lr_decay: float = Field(1.0, gt=0, le=1)
     server_lr_min: float = Field(0.0, ge=0)
+    personalized_eval: bool = False
 
 
 def parse_options(cfg: ExperimentConfig) -> FedPepTAOOptions:
@@ -149,6 +154,7 @@ class FedPepTAO(Algorithm):
         self.client_samples: dict[int, int] = {}
         self.global_scores: torch.Tensor | None = None
         self.round_probes: list[dict[str, float]] = []  # this round's Hessian probes, for the round's metrics
+        self.round_personalized: dict[str, dict[str, float]] = {}  # this round's personalised evaluations
         self.joined: set[int] = set()  # server side: clients whose reply was aggregated (they hold a full prompt)
         self.client_prompts: dict[int, State] = {}  # device side: each client's own full prompt
         self.initial_prompts: State = {}
@@ -189,6 +195,10 @@ class FedPepTAO(Algorithm):
             if LAYER_SCORES_KEY in r.update:
                 self.client_scores[r.client_id] = r.update[LAYER_SCORES_KEY].to(torch.float32).clone()
                 self.client_samples[r.client_id] = r.num_samples
+        self.round_personalized = {
+            str(r.client_id): {k.removeprefix(PERSONALIZED_PREFIX): v for k, v in r.metrics.items()
+                               if k.startswith(PERSONALIZED_PREFIX)} for r in results}
+        self.round_personalized = {c: m for c, m in self.round_personalized.items() if m}
         probed = [r for r in results if RATIO_PROBE_KEY in r.update]
         self.round_probes = [{"client": r.client_id,
                               **dict(zip(RATIO_PROBE_FIELDS, r.update[RATIO_PROBE_KEY].tolist(), strict=True))}
@@ -218,6 +228,13 @@ class FedPepTAO(Algorithm):
             "server_lr": self.server.learning_rate(round_idx),
             "scored_clients": len(self.client_scores),
         }
+        if self.round_personalized:  # each device's own model on its own data, beside the global eval
+            per_client = self.round_personalized
+            metrics["personalized_eval"] = per_client
+            names = sorted({name for scores in per_client.values() for name in scores})
+            metrics["personalized_mean"] = {name: float(np.mean([s[name] for s in per_client.values() if name in s]))
+                                            for name in names}
+            self.round_personalized = {}
         if self.round_probes:  # the selection round: every client's Hessian test, auditable
             metrics["ratio_probes"] = list(self.round_probes)
             for key, pick in (("lambda_min", min), ("lambda_max", max)):
@@ -246,16 +263,33 @@ class FedPepTAO(Algorithm):
         if own is not None:  # the device's own copy of the layers the server did not send
             slot.load({k: v for k, v in own.items() if k not in task.payload})
         slot.load(task.payload)
+        personalized = self.personalized_metrics(slot, data, shard) if own is not None else {}
         probes: State = {}
+        probe_start = time.perf_counter()
         rng = np.random.default_rng(derive_seed(seed, "fedpeptao-probe"))
         if task.config.get("probe_scores"):
             probes[LAYER_SCORES_KEY] = self.score_layers(slot, data, shard, rng)
         if task.config.get("probe_ratio") and self.options.fixed_ratio is None:
             probes[RATIO_PROBE_KEY] = self.hessian_ratio(slot, data, shard, rng, seed).as_tensor()
+        probe_seconds = time.perf_counter() - probe_start
         result, stats = train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+        stats.total_seconds += probe_seconds  # the client's compute time includes its probes
+        result.metrics["probe_seconds"] = probe_seconds
         self.client_prompts[task.client_id] = slot.read(self.layer_keys)
         result.update.update(probes)
+        result.metrics.update(personalized)
         return result, stats
+
+    def personalized_metrics(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray) -> dict[str, float]:
+        """With ``personalized_eval``: the task's metrics of the device's own model (its prompts, the
+        received layers and head in place) on its own data, before it trains (the authors' code
+        evaluates such personalised models). Keys ``personalized.<metric>``; empty when off."""
+        if not self.options.personalized_eval:
+            return {}
+        from fedpeft.experiment import evaluate  # fedpeft.experiment imports the methods
+
+        scores = evaluate(slot, data, self.ctx.task, {}, self.cfg.evaluation.batch_size, shard)
+        return {f"{PERSONALIZED_PREFIX}{name}": float(value) for name, value in scores.items()}
 
     def extra_upload_shapes(self, task: ClientTask) -> dict[str, torch.Size]:
         shapes = {}
