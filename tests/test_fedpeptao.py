@@ -38,7 +38,7 @@ from fedpeft.methods.fedpeptao.scoring import (
     select_layers,
 )
 from fedpeft.methods.fedpeptao.server import AdaptiveServer, AdaptiveServerOptions, ClientDelta
-from fedpeft.metrics.recorder import load_metrics
+from fedpeft.metrics.recorder import CHECKPOINT, load_metrics
 from tests.conftest import tiny_raw_config
 from tests.test_prompts import learnable_experiment, learning_config
 
@@ -376,22 +376,42 @@ def test_hessian_probe_selects_layers_and_resume_is_bit_identical(toy_files: tup
     assert first["ratio"] == pytest.approx(sum(p["ratio"] * n for p, n in zip(probes, weights)) / sum(weights))
     assert "ratio_probes" not in full_records[1]["method"]
 
-    part = fedpeptao_raw(train, eval_, tmp_path / "part", 2)
-    LocalEngine(prepare(build_config(part)), tmp_path / "part").run()
+    # a run that stops after round 2's checkpoint *and* after round 3 wrote its clients' files (but
+    # before round 3's checkpoint) resumes from round 2 reading exactly round 2's files
+    part_dir = tmp_path / "part"
+    part = fedpeptao_raw(train, eval_, part_dir, 2)
+    LocalEngine(prepare(build_config(part)), part_dir).run()
+    round_two = (part_dir / CHECKPOINT).read_bytes()
+    part["rounds"] = 3
+    LocalEngine(prepare(build_config(part)), part_dir).run(resume=True)
+    (part_dir / CHECKPOINT).write_bytes(round_two)  # round 3's checkpoint never happened
     part["rounds"] = 4
-    resumed_engine = LocalEngine(prepare(build_config(part)), tmp_path / "part")
+    resumed_engine = LocalEngine(prepare(build_config(part)), part_dir)
     resumed_engine.run(resume=True)
 
     def strip(records: list[dict]) -> list[dict]:
         volatile = ("time", "cum_wall_seconds", "client_seconds")
         return [{k: v for k, v in r.items() if k not in volatile} for r in records]
 
-    assert strip(load_metrics(tmp_path / "part")) == strip(full_records)
+    assert strip(load_metrics(part_dir)) == strip(full_records)
     for key, value in full_engine.final_state.items():
         assert torch.equal(value, resumed_engine.final_state[key]), key
-    for client, prompts in full_engine.exp.algorithm.client_prompts.items():
+    full_algorithm, resumed = full_engine.exp.algorithm, resumed_engine.exp.algorithm
+    assert list(full_algorithm.client_prompts) == list(resumed.client_prompts)
+    for client, prompts in full_algorithm.client_prompts.items():
         for key, value in prompts.items():
-            assert torch.equal(value, resumed_engine.exp.algorithm.client_prompts[client][key])
+            assert torch.equal(value, resumed.client_prompts[client][key])
+    for client, controls in full_algorithm.server.client_controls.items():
+        for key, value in controls.items():
+            assert torch.equal(value, resumed.server.client_controls[client][key])
+    # per-client state lives in files per client (the current version and the last checkpoint's), not in
+    # the checkpoint
+    prompt_files = [p.name for p in (part_dir / "client_state" / "prompts").iterdir()]
+    assert {name.split(".")[0] for name in prompt_files} == {str(c) for c in resumed.client_prompts}
+    assert len(prompt_files) <= 2 * len(resumed.client_prompts)
+    saved = torch.load(part_dir / CHECKPOINT, weights_only=False)["algorithm"]["fedpeptao"]
+    assert set(saved["client_prompts"]) == {"index"}
+    assert set(saved["server"]["client_controls"]) == {"index"}
 
 
 def test_bad_fedpeptao_config_names_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:

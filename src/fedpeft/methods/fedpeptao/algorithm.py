@@ -22,9 +22,11 @@ Round flow (registered as algorithm ``fedpeptao``):
   client optimizer is rebuilt each round: Alg. 2 lines 5-9); the server applies Alg. 2 lines 12-25
   (:mod:`.server`) to the exchanged keys, head included.
 
-Client-side state (each device's prompt) lives in this object in the local engine; it and the
-server state (control variates per device, momentum, previous update, scores, selection) are
-checkpointed. The per-client probe results travel inside the upload message, so their bytes are
+Client-side state (each device's prompt) and the server's control variate of each device live in
+one safetensors file per client under ``RUN_DIR/client_state/`` (:class:`ClientStateStore`), so
+memory stays flat in the number of clients; the checkpoint holds only which file version of each
+client is current, beside the small server state (momentum, previous update, scores, selection).
+The per-client probe results travel inside the upload message, so their bytes are
 counted: ``fedpeptao.layer_scores`` (L floats, Eq. 3) and ``fedpeptao.ratio_probe`` (r_i, the
 secant Lipschitz estimate, the extreme Hessian eigenvalues, whether they are exact, the Lanczos steps,
 whether the ratio converged); the server takes them out before aggregating and records them in the
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -63,6 +66,7 @@ from fedpeft.adapters.prompts import prefix_layer_keys, prompts_disabled
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
+from fedpeft.federated.client_store import ClientStateStore
 from fedpeft.federated.strategy.robust import clipped_if_robust
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.methods.fedpeptao.hessian import (
@@ -156,8 +160,13 @@ class FedPepTAO(Algorithm):
         self.round_probes: list[dict[str, float]] = []  # this round's Hessian probes, for the round's metrics
         self.round_personalized: dict[str, dict[str, float]] = {}  # this round's personalised evaluations
         self.joined: set[int] = set()  # server side: clients whose reply was aggregated (they hold a full prompt)
-        self.client_prompts: dict[int, State] = {}  # device side: each client's own full prompt
+        self.client_prompts = ClientStateStore("prompts")  # device side: each client's own full prompt
         self.initial_prompts: State = {}
+
+    def attach_run_dir(self, run_dir: Path) -> None:
+        """Prompts and control variates go to one file per client under ``run_dir/client_state/``."""
+        self.client_prompts.attach(run_dir)
+        self.server.client_controls.attach(run_dir)
 
     # ----- server side -------------------------------------------------------------------------
     def initial_state(self, state: State) -> State:
@@ -253,9 +262,9 @@ class FedPepTAO(Algorithm):
 
     def load_device_state(self, client_id: int, state: State | None) -> None:
         if state is None:
-            self.client_prompts.pop(client_id, None)
+            self.client_prompts.drop(client_id)
         else:
-            self.client_prompts[client_id] = dict(state)
+            self.client_prompts.put(client_id, state)
 
     def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
@@ -275,7 +284,7 @@ class FedPepTAO(Algorithm):
         result, stats = train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
         stats.total_seconds += probe_seconds  # the client's compute time includes its probes
         result.metrics["probe_seconds"] = probe_seconds
-        self.client_prompts[task.client_id] = slot.read(self.layer_keys)
+        self.client_prompts.put(task.client_id, slot.read(self.layer_keys))
         result.update.update(probes)
         result.metrics.update(personalized)
         return result, stats
@@ -361,7 +370,7 @@ class FedPepTAO(Algorithm):
             "client_scores": {str(c): s for c, s in self.client_scores.items()},
             "client_samples": {str(c): n for c, n in self.client_samples.items()},
             "joined": sorted(self.joined),
-            "client_prompts": {str(c): s for c, s in self.client_prompts.items()},
+            "client_prompts": self.client_prompts.state_dict(),
         }
         return state
 
@@ -374,5 +383,5 @@ class FedPepTAO(Algorithm):
         self.global_scores = own["global_scores"]
         self.client_scores = {int(c): s for c, s in own["client_scores"].items()}
         self.client_samples = {int(c): int(n) for c, n in own["client_samples"].items()}
-        self.client_prompts = {int(c): dict(s) for c, s in own["client_prompts"].items()}
+        self.client_prompts.load_state_dict(own["client_prompts"])
         self.joined = {int(c) for c in own.get("joined", self.client_prompts)}
