@@ -16,7 +16,7 @@ from fedpeft.config import AdapterConfig, ConfigError, ModelConfig, build_config
 from fedpeft.data.types import TaskData
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
-from fedpeft.methods.fedpeptao.algorithm import LAYER_SCORES_KEY, RATIO_PROBE_KEY
+from fedpeft.methods.fedpeptao.algorithm import LAYER_SCORES_KEY, RATIO_PROBE_KEY, parse_options
 from fedpeft.methods.fedpeptao.hessian import (
     RATIO_PROBE_FIELDS,
     Spectrum,
@@ -39,6 +39,7 @@ from fedpeft.methods.fedpeptao.scoring import (
 )
 from fedpeft.methods.fedpeptao.server import AdaptiveServer, AdaptiveServerOptions, ClientDelta
 from fedpeft.metrics.recorder import CHECKPOINT, load_metrics
+from fedpeft.sweep import load_sweep
 from tests.conftest import tiny_raw_config
 from tests.test_prompts import learnable_experiment, learning_config
 
@@ -435,3 +436,18 @@ def test_fedpeptao_learns_the_toy_task(toy_files: tuple[Path, Path], tmp_path: P
     assert records[-1]["train_loss"] < 0.6 * records[0]["train_loss"]
     assert accuracies[-1] >= 0.75, accuracies
     assert records[-1]["method"]["selected_layers"]
+
+
+def test_fedpeptao_benchmark_file_validates() -> None:
+    """benchmarks/fedpeptao.yaml expands, every FedPepTAO-algorithm run's options validate, and the server
+    lr is tuned on the same budget as the client lr."""
+    sweep = load_sweep(Path(__file__).resolve().parents[1] / "benchmarks" / "fedpeptao.yaml")
+    assert sweep.is_benchmark and len(sweep.spec.seeds) >= 3
+    assert sweep.spec.tune is not None and set(sweep.spec.tune.space or {}) == {"client.lr", "strategy.server_lr"}
+    for run in sweep.runs:
+        cfg = build_config(run.raw)
+        if cfg.method in ("fedpeptao", "moms_adamd"):
+            parse_options(cfg)
+    prompt_lengths = {build_config(r.raw).adapter.num_virtual_tokens for r in sweep.runs if r.method.startswith("ptv2")}
+    assert prompt_lengths == {20, 128}
+    assert {c.id for c in sweep.spec.claims} >= {"accuracy", "bytes", "time"}

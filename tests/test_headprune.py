@@ -16,6 +16,7 @@ from fedpeft.federated.codec import CodecError, build_codec
 from fedpeft.federated.types import ClientResult, ClientTask
 from fedpeft.methods.headprune import (
     HEAD_SCORES_KEY,
+    HeadPruneOptions,
     ZeroSliceCodec,
     head_weighted_delta,
     heads_to_keep,
@@ -35,6 +36,7 @@ from fedpeft.models.heads import (
     projection_in_features,
     pruned_heads,
 )
+from fedpeft.sweep import load_sweep
 from tests.conftest import tiny_raw_config
 
 
@@ -404,3 +406,16 @@ def test_svd_init_keeps_every_kept_head_exact(toy_files: tuple[Path, Path], tmp_
         got = svd_model(**batch).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     LocalEngine(exp, tmp_path / "run").run()  # and a round of the recipe runs with it
+
+
+def test_headprune_benchmark_file_validates() -> None:
+    """benchmarks/headprune.yaml expands and every run's head-pruning options validate (a sweep of hours
+    must not die at its 30th run on a misspelt option)."""
+    sweep = load_sweep(Path(__file__).resolve().parents[1] / "benchmarks" / "headprune.yaml")
+    assert sweep.is_benchmark and len(sweep.spec.seeds) >= 3 and sweep.spec.tune is not None
+    assert {run.task for run in sweep.runs} == {"mnli", "20newsgroups"}
+    for run in sweep.runs:
+        options = HeadPruneOptions.from_strategy(build_config(run.raw).strategy)
+        if run.method.startswith("ours"):
+            assert (options.head_sparsity, options.min_heads_per_layer) == (0.9, 0)
+    assert {c.id for c in sweep.spec.claims} >= {"uplink", "accuracy", "flops"}
