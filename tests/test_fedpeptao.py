@@ -194,8 +194,15 @@ def test_lanczos_ratio_converges_to_the_exact_one(name: str, eigenvalues: np.nda
     assert exact.exact and exact.converged and exact.steps == 300
     assert np.allclose(np.sort(exact.nodes), eigenvalues, atol=1e-5)
     # from 4 Lanczos steps, doubled until the ratio is stable; 4 steps alone put gaps into the gapless bulk
-    approx = prompt_spectrum(matvec, 300, ratio_of, 0, 4, 256, 1, 0.01, seed=0)
+    products: list[int] = []
+
+    def counted(vector: torch.Tensor) -> torch.Tensor:
+        products.append(1)
+        return matvec(vector)
+
+    approx = prompt_spectrum(counted, 300, ratio_of, 0, 4, 256, 1, 0.01, seed=0)
     assert not approx.exact and approx.converged and approx.steps > 4
+    assert len(products) == approx.steps  # each doubling extends the same run instead of restarting it
     assert ratio_of(approx) == pytest.approx(exact_ratio, abs=0.04), name
     if name == "no gap":
         assert ratio_of(approx) == 1.0  # no spurious gap

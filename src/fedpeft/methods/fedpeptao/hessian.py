@@ -20,7 +20,8 @@ Ratio rules (both return r in [0, 1], the fraction of prompt parameters to keep 
   cell) and Alg. 1 runs on that list; gaps between two Ritz values of the bulk are not eigen-gaps.
   The Lanczos steps double (``lanczos_iterations`` up to ``lanczos_max_iterations``) until the ratio
   moves by at most ``ratio_tolerance`` between k and 2k steps, so the ratio does not depend on a
-  too-short run. L is the
+  too-short run; each doubling extends the same run (:class:`LanczosRun`), so it costs the final
+  number of steps in products, not twice that. L is the
   constant of the "base function" B(Delta) = H(w^t) Delta - grad F(w^t + Delta) of line 7 (the paper
   writes H(w^t) - grad F, a matrix minus a vector: we read H(w^t) as the linear map it defines).
   We estimate it by the secant between 0 and the client's own Delta_i = w - w^t (line 3):
@@ -71,43 +72,70 @@ def hessian_vector_product(loss: torch.Tensor, params: Sequence[torch.Tensor]) -
     return gradient.detach(), matvec
 
 
-def lanczos(matvec: Matvec, dim: int, iterations: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Ritz values and SLQ weights (squared first components) of ``min(iterations, dim)`` Lanczos steps.
+class LanczosRun:
+    """Lanczos from one random start, extendable: :meth:`extend` adds steps to the same Krylov basis, so
+    the Ritz values after k and after 2k steps cost 2k products in all, not 3k.
 
     Full re-orthogonalisation (twice, in float64) keeps the basis orthogonal, so no ghost copies of
-    converged eigenvalues appear. Stops early on an invariant subspace (beta ~ 0).
+    converged eigenvalues appear. Stops for good on an invariant subspace (beta ~ 0).
     """
-    steps = min(iterations, dim)
-    start = torch.randn(dim, generator=generator, dtype=torch.float64)
-    basis = [start / start.norm()]
-    alphas: list[float] = []
-    betas: list[float] = []
-    for j in range(steps):
-        w = matvec(basis[j].to(torch.float32)).to(torch.float64)
-        alpha = float(w @ basis[j])
-        alphas.append(alpha)
-        stacked = torch.stack(basis)
-        for _ in range(2):
-            w = w - stacked.T @ (stacked @ w)
-        beta = float(w.norm())
-        if j == steps - 1 or beta < 1e-10 * max(1.0, abs(alpha)):
-            break
-        betas.append(beta)
-        basis.append(w / beta)
-    tridiagonal = np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1)
-    values, vectors = np.linalg.eigh(tridiagonal)
-    return values, vectors[0] ** 2
+
+    def __init__(self, matvec: Matvec, dim: int, generator: torch.Generator) -> None:
+        start = torch.randn(dim, generator=generator, dtype=torch.float64)
+        self.matvec = matvec
+        self.basis = [start / start.norm()]
+        self.alphas: list[float] = []
+        self.betas: list[float] = []  # betas[j] couples basis j and j + 1
+        self.invariant = False
+
+    @property
+    def steps(self) -> int:
+        return len(self.alphas)
+
+    def extend(self, steps: int) -> None:
+        """Run until ``steps`` steps in all (or an invariant subspace)."""
+        while self.steps < steps and not self.invariant:
+            j = self.steps
+            w = self.matvec(self.basis[j].to(torch.float32)).to(torch.float64)
+            alpha = float(w @ self.basis[j])
+            self.alphas.append(alpha)
+            stacked = torch.stack(self.basis)
+            for _ in range(2):
+                w = w - stacked.T @ (stacked @ w)
+            beta = float(w.norm())
+            if beta < 1e-10 * max(1.0, abs(alpha)) or len(self.basis) == w.numel():
+                self.invariant = True
+                break
+            self.betas.append(beta)
+            self.basis.append(w / beta)
+
+    def ritz(self) -> tuple[np.ndarray, np.ndarray]:
+        """Ritz values and SLQ weights (squared first components) of the steps run so far."""
+        betas = self.betas[: self.steps - 1]
+        tridiagonal = np.diag(self.alphas) + np.diag(betas, 1) + np.diag(betas, -1)
+        values, vectors = np.linalg.eigh(tridiagonal)
+        return values, vectors[0] ** 2
+
+
+def lanczos(matvec: Matvec, dim: int, iterations: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Ritz values and SLQ weights (squared first components) of ``min(iterations, dim)`` Lanczos steps."""
+    run = LanczosRun(matvec, dim, generator)
+    run.extend(min(iterations, dim))
+    return run.ritz()
 
 
 def slq_density(matvec: Matvec, dim: int, iterations: int, probes: int, generator: torch.Generator
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Spectral density as (nodes, weights summing to 1), averaged over ``probes`` random starts."""
-    nodes, weights = [], []
-    for _ in range(probes):
-        values, mass = lanczos(matvec, dim, iterations, generator)
-        nodes.append(values)
-        weights.append(mass / probes)
-    return np.concatenate(nodes), np.concatenate(weights)
+    runs = [LanczosRun(matvec, dim, generator) for _ in range(probes)]
+    for run in runs:
+        run.extend(min(iterations, dim))
+    return _density(runs)
+
+
+def _density(runs: Sequence[LanczosRun]) -> tuple[np.ndarray, np.ndarray]:
+    ritz = [run.ritz() for run in runs]
+    return np.concatenate([v for v, _ in ritz]), np.concatenate([m / len(runs) for _, m in ritz])
 
 
 def extreme_eigenvalues(matvec: Matvec, dim: int, k: int, which: str = "LA") -> np.ndarray:
@@ -190,20 +218,24 @@ class Spectrum:
 def prompt_spectrum(matvec: Matvec, dim: int, ratio_of: Callable[[Spectrum], float], exact_max_dimension: int,
                     iterations: int, max_iterations: int, probes: int, tolerance: float, seed: int) -> Spectrum:
     """The spectrum for Alg. 1's ratio: dense ``eigvalsh`` of the Hessian when ``dim <= exact_max_dimension``
-    (K products), else SLQ with ``iterations`` Lanczos steps, doubled (same start vectors) until the ratio
+    (K products), else SLQ with ``iterations`` Lanczos steps, doubled (the same runs extended) until the ratio
     ``ratio_of`` gives moves by at most ``tolerance`` or ``max_iterations`` (or K) is reached; ``converged``
     says which ended it."""
     if dim <= exact_max_dimension:
         eigenvalues = torch.linalg.eigvalsh(dense_hessian(matvec, dim)).numpy()
         return Spectrum(eigenvalues, np.full(dim, 1.0 / dim), True, dim, True)
+    generator = torch.Generator().manual_seed(seed)
+    runs = [LanczosRun(matvec, dim, generator) for _ in range(probes)]
     steps = min(iterations, dim)
     previous: float | None = None
     while True:
-        nodes, weights = slq_density(matvec, dim, steps, probes, torch.Generator().manual_seed(seed))
-        done = steps >= min(max_iterations, dim)
-        spectrum = Spectrum(nodes, weights, False, steps, done and steps >= dim)
+        for run in runs:  # the same Krylov bases, extended: k then 2k steps cost 2k products
+            run.extend(steps)
+        nodes, weights = _density(runs)
+        done = steps >= min(max_iterations, dim) or all(run.invariant for run in runs)
+        spectrum = Spectrum(nodes, weights, False, steps, steps >= dim or all(run.invariant for run in runs))
         ratio = ratio_of(spectrum)
-        if previous is not None and abs(ratio - previous) <= tolerance:
+        if spectrum.converged or (previous is not None and abs(ratio - previous) <= tolerance):
             spectrum.converged = True
             return spectrum
         if done:
