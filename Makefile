@@ -26,8 +26,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# the run, then its model as a PEFT adapter (runs/demo/export) and that adapter's predictions for a few sentences
 demo: $(STAMP)
 	$(VENV)/bin/fedpeft run configs/demo_sst2_lora.yaml --run-dir runs/demo --plot
+	$(VENV)/bin/fedpeft export runs/demo --out runs/demo/export --format peft
+	$(VENV)/bin/fedpeft predict runs/demo/export --input configs/demo_predict.csv --output runs/demo/predictions.csv
+	cat runs/demo/predictions.csv
 
 clean:
 	rm -rf $(VENV) runs

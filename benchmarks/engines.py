@@ -174,12 +174,15 @@ def torchrun_scaling(work: Path, rounds: int, num_clients: int, env: dict[str, s
     }
 
 
-def flower_run(work: Path, raw: dict[str, Any], nodes: int, simulation: bool) -> dict[str, Any]:
-    """fedpeft's Flower app on Flower's Simulation Engine or a loopback deployment; its measures."""
+def flower_run(work: Path, raw: dict[str, Any], nodes: int, simulation: bool, gpus_per_client: float = 0.0
+               ) -> dict[str, Any]:
+    """fedpeft's Flower app on Flower's Simulation Engine (its workers sharing a GPU by ``gpus_per_client``)
+    or a loopback deployment; its measures."""
     run_dir = work / "flower"
     app = write_app(build_config(raw), work / "app", run_dir)
     t0 = time.perf_counter()
-    with LocalDeployment(work / "deployment", nodes, simulation=simulation) as deployment, \
+    with LocalDeployment(work / "deployment", nodes, simulation=simulation,
+                         gpus_per_client=gpus_per_client) as deployment, \
             (work / "flower.log").open("wb") as log, \
             PeakMemory(lambda: [p.pid for p in list(deployment.processes.values())]) as memory:
         status = deployment.start_run(app, log).wait()

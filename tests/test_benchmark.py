@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedpeft.config import ConfigError
-from fedpeft.sweep import expand
+from fedpeft.claims import references
+from fedpeft.config import ConfigError, build_config
+from fedpeft.sweep import expand, load_sweep
 from tests.conftest import tiny_raw_config, write_toy_sentiment
 
 
@@ -91,3 +92,36 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "toy_tradeoff.png").stat().st_size > 0
     # finished work is skipped: a second call only rewrites the results
     assert main(["sweep", str(path)]) == 0
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_committed_sweep_files_validate(path: Path) -> None:
+    """Every committed benchmark file expands, and every run and ceiling config it makes validates, so a
+    sweep that takes hours does not die at its 40th run on a typo."""
+    raw = yaml.safe_load(path.read_text())
+    if "methods" not in raw and "grid" not in raw:
+        pytest.skip(f"{path.name} is a base config, not a sweep")
+    sweep = load_sweep(path)
+    assert sweep.runs
+    for run in sweep.runs:
+        build_config(run.raw)
+    for claim in sweep.spec.claims if sweep.is_benchmark else []:
+        names = {ref[0] for ref in references(claim.check)}
+        assert names <= set(sweep.spec.methods), f"{claim.id} names a method the file does not run"
+
+
+def test_fedtt_paper_benchmark_file_expands() -> None:
+    """benchmarks/fedtt.yaml is valid before anyone spends hours on it: every run's config builds,
+    the presets land, every arm packs its messages, and every claim names known methods."""
+    sweep = load_sweep(Path(__file__).resolve().parents[1] / "benchmarks" / "fedtt.yaml")
+    cells = {(run.task, run.partition, run.method) for run in sweep.runs if not run.ceiling}
+    assert len(cells) == 2 * 5 * 5 and len(sweep.runs) == 3 * len(cells) + 2
+    severe = next(run for run in sweep.runs if (run.task, run.partition, run.method, run.seed)
+                  == ("mrpc", "appb_severe", "fedtt_plus", 0))
+    cfg = build_config(severe.raw)
+    assert cfg.partition.label_proportions == [[0.05, 0.95], [0.95, 0.05], [0.5, 0.5]]
+    assert (cfg.client.local_steps, cfg.strategy.weighting, cfg.model.name) == (10, "uniform", "mpnet")
+    assert all(build_config(run.raw).codec.up.pack for run in sweep.runs)
+    assert {claim.id for claim in sweep.spec.claims} >= {"fedtt_vs_lora", "fedtt_plus_vs_lora",
+                                                          "fedtt_plus_robust_vs_lora"}

@@ -25,9 +25,9 @@ from fedpeft.models.encoding import example_mean_loss, training_batch
 from tests.conftest import tiny_raw_config, without_timing
 
 
-def privacy(sigma: float, clip: float, expected_batch: int, reproducible: bool = True) -> ClientPrivacy:
+def privacy(sigma: float, clip: float, expected_batch: int, noise_seed: int | None = 0) -> ClientPrivacy:
     return ClientPrivacy(noise_multiplier=sigma, sample_rate=0.5, clip_norm=clip, expected_batch_size=expected_batch,
-                         accountant=RDPAccountant(), reproducible_noise=reproducible)
+                         accountant=RDPAccountant(), noise_seed=noise_seed)
 
 
 def test_per_sample_clipping_by_hand() -> None:
@@ -59,18 +59,20 @@ def test_noise_std_is_sigma_clip_over_batch() -> None:
     assert client.accountant.history == [(1.5, 0.5, 1)]  # the noisy step was counted
 
 
-def test_noise_is_seeded_unless_asked_otherwise() -> None:
-    def noise(seed: int, reproducible: bool) -> torch.Tensor:
+def test_noise_is_unpredictable_unless_a_seed_is_set() -> None:
+    def noise(seed: int, noise_seed: int | None) -> torch.Tensor:
         model = nn.Linear(4, 4, bias=False)
         nn.init.zeros_(model.weight)
-        with private_optimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), privacy(1.0, 1.0, 1, reproducible),
+        with private_optimizer(model, torch.optim.SGD(model.parameters(), lr=1.0), privacy(1.0, 1.0, 1, noise_seed),
                                seed) as dp:
             private_step(dp, 0)
         return model.weight.detach().clone()
 
-    assert torch.equal(noise(5, True), noise(5, True))
-    assert not torch.equal(noise(5, True), noise(6, True))
-    assert not torch.equal(noise(5, False), noise(5, False))
+    assert torch.equal(noise(5, 0), noise(5, 0))
+    assert not torch.equal(noise(5, 0), noise(6, 0))  # every client and round draws its own noise
+    assert not torch.equal(noise(5, 0), noise(5, 1))
+    assert not torch.equal(noise(5, None), noise(5, None))  # the default: OS entropy
+    assert DPConfig(epsilon=1.0).noise_seed is None
 
 
 def test_poisson_batches_are_seeded_with_the_right_rate() -> None:
@@ -143,7 +145,8 @@ def test_privacy_record_is_built_from_the_clients_reports() -> None:
                5: {"steps": 3.0}}  # a reply without a report is left out
     record = privacy_record(dp, reports, previous_max=1.2)
     assert record == {"delta": 1e-5, "target_epsilon": 3.0, "clip_norm": 2.0, "epsilon": {"2": 0.7, "4": 1.5},
-                      "noise_multiplier": {"2": 1.1, "4": 0.9}, "steps": {"2": 3, "4": 6}, "max_epsilon": 1.5}
+                      "noise_multiplier": {"2": 1.1, "4": 0.9}, "steps": {"2": 3, "4": 6}, "max_epsilon": 1.5,
+                      "noise_seeded": False}
     assert privacy_record(dp, {}, previous_max=1.2)["max_epsilon"] == 1.2  # spending never goes back
 
 
@@ -240,10 +243,38 @@ def test_adapters_opacus_cannot_handle_are_a_clear_error(toy_files: tuple[Path, 
     assert err.value.field == "client.dp" and culprit in str(err.value)
 
 
-def dp_raw(train: Path, eval_: Path, run_dir: Path, rounds: int) -> dict:
+def dp_raw(train: Path, eval_: Path, run_dir: Path, rounds: int, noise_seed: int | None = 0) -> dict:
     return tiny_raw_config(train, eval_, run_dir, rounds=rounds, partition={"kind": "iid", "num_clients": 2},
                            strategy={"selection": "all", "clients_per_round": None},
-                           client={"local_steps": 3, "dp": {"epsilon": 3.0, "clip_norm": 2.0, "rounds": 2}})
+                           client={"local_steps": 3, "dp": {"epsilon": 3.0, "clip_norm": 2.0, "rounds": 2,
+                                                            "noise_seed": noise_seed}})
+
+
+def test_unseeded_runs_draw_different_noise_and_a_seeded_run_reproduces(toy_files: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    train, eval_ = toy_files
+
+    def final(name: str, noise_seed: int | None) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        engine = LocalEngine(prepare(build_config(dp_raw(train, eval_, tmp_path / name, 1, noise_seed))),
+                             tmp_path / name)
+        records = engine.run()
+        return engine.final_state, records
+
+    first, records = final("a", None)
+    second, _ = final("b", None)
+    assert any(not torch.equal(first[k], second[k]) for k in first)
+    assert records[-1]["privacy"]["noise_seeded"] is False
+    assert summarize(records, "accuracy")["dp_noise_seeded"] is False
+    longer = dp_raw(train, eval_, tmp_path / "a", 2, None)  # an unseeded run resumes (with fresh noise)
+    resumed = LocalEngine(prepare(build_config(longer)), tmp_path / "a").run(resume=True)
+    assert [r["round"] for r in resumed] == [1, 2] and resumed[0] == records[0]
+    with pytest.raises(ConfigError, match=r"client\.dp\.reproducible_noise: replaced by client\.dp\.noise_seed"):
+        build_config(tiny_raw_config(train, eval_, tmp_path / "old", client={"dp": {"epsilon": 3.0,
+                                                                                  "reproducible_noise": True}}))
+    seeded, records = final("c", 7)
+    again, _ = final("d", 7)
+    assert all(torch.equal(seeded[k], again[k]) for k in seeded)
+    assert records[-1]["privacy"]["noise_seeded"] is True
 
 
 def test_reported_epsilon_is_opacus_accountants_and_resume_is_exact(toy_files: tuple[Path, Path],

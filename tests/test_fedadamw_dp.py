@@ -89,6 +89,11 @@ def test_dp_strategy_is_seeded_and_validated() -> None:
         return strat.aggregate({"w": torch.zeros(5)}, [result(0, 1, w=[1.0] * 5)])["w"]
 
     assert torch.equal(run(3), run(3)) and not torch.equal(run(3), run(4))
+    unseeded = adamw(dp_clip_norm=0.1, dp_noise_multiplier=1.0)  # the default: OS entropy
+    first, second = (unseeded.aggregate({"w": torch.zeros(5)}, [result(0, 1, w=[1.0] * 5)])["w"] for _ in range(2))
+    assert not torch.equal(first, second)
+    assert unseeded.server_privacy(1, 1, 10)["noise_seeded"] is False
+    assert adamw(dp_clip_norm=0.1, dp_noise_multiplier=1.0, noise_seed=3).server_privacy(1, 1, 10)["noise_seeded"]
     with pytest.raises(ConfigError, match=r"strategy\.dp_noise_multiplier"):
         adamw(dp_noise_multiplier=1.0)
     with pytest.raises(ConfigError, match=r"strategy\.weighting"):

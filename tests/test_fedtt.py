@@ -210,3 +210,58 @@ def test_presets_expand_under_the_users_values(toy_files: tuple[Path, Path], tmp
         build_config(raw)
     assert err.value.field == "partition.preset"
     assert {"fedtt_iid", "fedtt_mild", "fedtt_severe", "fedtt_appb_severe_3class"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("method", ["fedtt", "fedtt_plus"])
+def test_server_averages_clients_uniformly(toy_files: tuple[Path, Path], tmp_path: Path, method: str) -> None:
+    """Alg. 1 line 8 / Alg. 2 line 10: the new global state is the old one plus the plain 1/N mean of
+    the clients' updates, whatever their shard sizes (a sample-weighted mean would differ here)."""
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method=method, rounds=1, adapter=SMALL_MODES,
+                          partition={"kind": "quantity_skew", "num_clients": 3, "alpha": 0.5},
+                          strategy={"name": "fedavg", "selection": "all", "clients_per_round": None},
+                          task={"max_train_examples": 64, "max_eval_examples": 16})
+    exp = prepare(build_config(raw))
+    assert exp.cfg.strategy.weighting == "uniform"  # the recipe's own choice: the test sets none
+    seen: list[tuple[State, list[ClientResult], State]] = []
+    aggregate = exp.algorithm.aggregate
+
+    def recording(round_idx: int, state: State, results: Sequence[ClientResult]) -> State:
+        new_state = aggregate(round_idx, state, results)
+        seen.append((state, list(results), new_state))
+        return new_state
+
+    exp.algorithm.aggregate = recording  # type: ignore[method-assign]
+    LocalEngine(exp, tmp_path / "run").run()
+    (start, results, new_state), = seen
+    sizes = [r.num_samples for r in results]
+    assert len(results) == 3 and len(set(sizes)) > 1
+    for key in results[0].update:
+        deltas = torch.stack([r.update[key] for r in results])
+        torch.testing.assert_close(new_state[key], start[key] + deltas.mean(dim=0), rtol=0, atol=1e-6)
+    moved = [k for k in results[0].update if not torch.equal(results[0].update[k], results[1].update[k])]
+    weighted = {k: start[k] + sum(r.num_samples * r.update[k] for r in results) / sum(sizes) for k in moved}
+    assert any((new_state[k] - weighted[k]).abs().max() > 1e-6 for k in moved)
+
+
+def test_fedtt_plus_cross_device_trains_and_sends_the_round_robin_cores(toy_files: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    """Cross-device (2 of 4 clients a round): every selected client downloads the whole TT state (no
+    device state: partial_download is off), and trains and uploads exactly G_1, G_r, G_J + the head."""
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="fedtt_plus", rounds=3, adapter=SMALL_MODES,
+                          strategy={"name": "fedavg", "selection": "uniform", "clients_per_round": 2},
+                          task={"max_train_examples": 64, "max_eval_examples": 16})
+    exp = prepare(build_config(raw))
+    assert not exp.algorithm.partial_download
+    trainable = list(exp.slot.trainable)
+    records = LocalEngine(exp, tmp_path / "run").run()
+    full = len(exp.down_codec.encode(exp.initial_state))
+    for t, record in enumerate(records, start=1):
+        keys = expected_upload_keys(exp.backbone.model, trainable, t)
+        assert exp.algorithm.round_keys(t) == keys and len(record["clients"]) == 2
+        assert record["bytes_down"] == [full, full]  # the whole state, frozen cores included
+        upload = len(exp.up_codec.encode({k: exp.initial_state[k] for k in sorted(keys)}))
+        assert record["bytes_up"] == [upload, upload]
+    assert exp.algorithm.known == {}  # nothing kept on the devices
+    assert len({c for r in records for c in r["clients"]}) > 2  # different clients across rounds

@@ -217,7 +217,7 @@ def test_dp_accountants_stay_on_the_nodes_and_reports_reach_the_server(server_id
     lives in its node's state (3 of 4 clients a round, so some train twice and their count carries
     over), the server holds none, and its privacy records, weights and metrics are the local engine's."""
     raw = tiny_raw_config(*toy_files, tmp_path / "flower", rounds=2, strategy={"clients_per_round": 3},
-                          client={"local_steps": 2, "dp": {"epsilon": 3.0, "clip_norm": 1.0}})
+                          client={"local_steps": 2, "dp": {"epsilon": 3.0, "clip_norm": 1.0, "noise_seed": 0}})
     engine, grid = run_in_process(raw, tmp_path / "flower")
     exp = engine.exp
     local = local_reference(raw, tmp_path / "local")

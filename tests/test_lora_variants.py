@@ -181,6 +181,15 @@ def test_hetlora_rejects_tiers_above_rank(toy_files: tuple[Path, Path], tmp_path
         prepare(build_config(raw))
 
 
+def test_hetlora_refuses_packed_messages_below_the_top_tier(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    raw = raw_for("hetlora", toy_files, tmp_path / "run", strategy={**FEDAVG, "rank_tiers": [1, 4]},
+                  codec={"up": {"pack": True}})
+    with pytest.raises(ConfigError, match=r"codec\.up\.pack: hetlora sends rank-1 slices"):
+        prepare(build_config(raw))
+    raw["strategy"]["rank_tiers"] = [4]  # whole LoRA matrices: packing applies
+    prepare(build_config(raw))
+
+
 def test_hetlora_refuses_the_svd_init_below_the_top_tier(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
     raw = raw_for("hetlora", toy_files, tmp_path / "run", adapter={**LORA, "init": "svd"},
                   strategy={**FEDAVG, "rank_tiers": [1, 4]})

@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 import tensorly as tl
 import torch
+from transformers import AutoModelForSequenceClassification, LlamaConfig
 
 from fedpeft.adapters.base import build_adapter
 from fedpeft.adapters.bottleneck import AdaptedLayer
 from fedpeft.adapters.tt import TTLinear, factorize, tt_contract, tt_layers, tt_shape
+from fedpeft.adapters.tt.layer import contraction_flops
 from fedpeft.config import AdapterConfig, ConfigError, ModelConfig, build_config
 from fedpeft.data.types import Example, TaskData
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
-from fedpeft.models.backbone import load_backbone
+from fedpeft.models.backbone import Backbone, load_backbone
 from fedpeft.models.encoding import encode_examples, training_batch
 from tests.conftest import tiny_raw_config
 
@@ -123,6 +125,8 @@ def test_unfactorizable_size_names_the_field() -> None:
     ({"tt_max_mode": 1}, "adapter.tt_max_mode"),
     ({"tt_up_init_scale": 0.0}, "adapter.tt_up_init_scale"),
     ({"tt_ranks": 5}, "adapter.tt_ranks"),
+    ({"tt_contraction": "fast"}, "adapter.tt_contraction"),
+    ({"decoder_layout": "middle"}, "adapter.decoder_layout"),
 ])
 def test_bad_options_name_the_field(extra: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -220,3 +224,107 @@ def test_fedtt_round_on_encoder_decoder(toy_files: tuple[Path, Path], tmp_path: 
     assert len(records[0]["clients"]) == 2  # cross-device: 2 of the 4 clients sampled
     assert all(".cores." in k or k.endswith(".bias") for k in before)
     assert any(not torch.equal(before[k], engine.final_state[k]) for k in before)
+
+
+@pytest.mark.parametrize("in_features,out_features,modes,rank", [
+    (12, 6, [3, 4, 2, 3], 3),
+    (6, 12, [2, 3, 4, 3], 2),
+    (64, 16, [4, 4, 4, 4, 4], 3),
+    (16, 64, [2, 8, 8, 4, 2], 4),
+])
+def test_direct_contraction_equals_rebuild_in_outputs_and_gradients(in_features: int, out_features: int,
+                                                                    modes: list[int], rank: int) -> None:
+    torch.manual_seed(0)
+    rebuild = TTLinear(in_features, out_features, modes, rank, contraction="rebuild")
+    direct = TTLinear(in_features, out_features, modes, rank, contraction="direct")
+    direct.load_state_dict(rebuild.state_dict())
+    x = torch.randn(3, 5, in_features)
+    target = torch.randn(3, 5, out_features)
+    outputs, grads = [], []
+    for layer in (rebuild, direct):
+        inputs = x.clone().requires_grad_(True)
+        out = layer(inputs)
+        ((out - target) ** 2).sum().backward()
+        outputs.append(out.detach())
+        grads.append([inputs.grad, *(p.grad for p in layer.parameters())])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+    for got, expected in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # gradients of order 10-100
+
+
+def test_flop_estimate_picks_the_cheaper_contraction() -> None:
+    modes, rank = [8, 8, 12, 8, 8], 5
+    ranks = [1, 5, 5, 5, 5, 1]
+    flops = contraction_flops(modes, ranks, 768, tokens=1)
+    # counted by hand: the chain 2 * (8*5*8*5 + 64*5*12*5 + 768*5*8*5 + 6144*5*8*1), then x @ W
+    assert flops["rebuild"] == 2 * (1600 + 19200 + 153600 + 245760) + 2 * 768 * 64
+    # absorb 8, 8, 12 (N x 768 x 1 -> x 96 x 5 -> x 12 x 5 -> x 1 x 5), expand 8, 8
+    assert flops["direct"] == 2 * (768 * 5 + 96 * 25 + 12 * 25 + 5 * 8 * 5 + 8 * 5 * 8)
+    wide = TTLinear(768, 64, modes, rank, contraction="auto")
+    assert wide.uses_direct(1) and wide.uses_direct(10**6)  # per token 2 x 7,060 vs 2 x 49,152, and no chain
+    # a small matrix with a high rank: direct's per-token cost (2 x 108) is 1.5x x @ W's (2 x 72), but
+    # rebuild pays the chain (1,080) once: direct for few tokens, rebuild from the crossover on
+    small_modes, small_ranks = [3, 4, 2, 3], [1, 3, 3, 3, 1]
+    small = TTLinear(12, 6, small_modes, 3, contraction="auto")
+    assert contraction_flops(small_modes, small_ranks, 12, 1) == {"rebuild": 1080 + 144, "direct": 216}
+    assert small.uses_direct(1) and not small.uses_direct(100)
+    crossover = next(n for n in range(1, 100) if not small.uses_direct(n))
+    at = contraction_flops(small_modes, small_ranks, 12, crossover)
+    before = contraction_flops(small_modes, small_ranks, 12, crossover - 1)
+    assert at["rebuild"] <= at["direct"] and before["direct"] < before["rebuild"]
+    assert crossover == 15  # 1,080 + 144 N <= 216 N from N = 15 on
+    # a mode list with no prefix multiplying to IN: only the rebuild can apply it
+    assert contraction_flops([100], [1, 1], 10, 4)["direct"] is None
+    assert not TTLinear(10, 10, [100], 4, contraction="auto").uses_direct(10**6)
+    with pytest.raises(ConfigError) as err:
+        build_adapter(AdapterConfig(kind="tt", tt_contraction="direct", bottleneck_size=8,
+                                    tt_shapes={"32x8": [16, 16]})).apply(
+            load_backbone(ModelConfig(name="tiny-bert"), TASK, 0))
+    assert err.value.field == "adapter.tt_contraction"
+
+
+@pytest.mark.parametrize("layout,placements", [
+    ("loretta", {"gate_proj": "input", "up_proj": "input", "down_proj": "output"}),
+    ("after_blocks", {"o_proj": "output", "down_proj": "output"}),
+])
+def test_decoder_layout_on_a_tiny_llama(layout: str, placements: dict[str, str]) -> None:
+    """LoRETTA's MLP adapters vs the paper's text (after attention and after the MLP), on a random
+    LLaMA with a 64-token vocabulary; every adapter core gets a gradient through the model."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0,
+                         num_labels=2)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    backbone = Backbone(model=model, tokenizer=None, architecture="decoder",  # type: ignore[arg-type]
+                        head="sequence_classification", name="llama-64")
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_rank=3, decoder_layout=layout)).apply(backbone)
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, AdaptedLayer)}
+    assert len(adapted) == 2 * len(placements)
+    assert {name.rsplit(".", 1)[-1]: m.placement for name, m in adapted.items()} == placements
+    ids = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=torch.tensor([0, 1, 1])).loss.backward()
+    cores = [p for name, p in model.named_parameters() if ".cores." in name]
+    assert cores and all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in cores)
+
+
+@pytest.mark.parametrize("arch,dense,tensorized", [
+    ("roberta", "classifier.dense", True),  # the checkpoint has no head: a new 32 x 32 dense layer
+    ("bert", "bert.pooler.dense", False),  # BERT's pooler is in the checkpoint (as in MiniLM)
+])
+def test_tensorized_classifier_by_default_where_the_dense_layer_is_new(tmp_path: Path, arch: str, dense: str,
+                                                                      tensorized: bool) -> None:
+    """``tt_classifier: auto`` tensorizes the head's hidden x hidden layer only where it was not pretrained."""
+    tiny = load_backbone(ModelConfig(name=f"tiny-{arch}"), TASK, 0)
+    encoder = getattr(tiny.model, arch)  # save the encoder alone: a checkpoint without a task head
+    encoder.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    backbone = load_backbone(ModelConfig(name=str(tmp_path)), TASK, 0)
+    assert (f"{dense}.weight" in backbone.new_parameters) == tensorized
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8)).apply(backbone)  # tt_classifier: auto
+    assert isinstance(backbone.model.get_submodule(dense), TTLinear) == tensorized
+    forced = load_backbone(ModelConfig(name=str(tmp_path)), TASK, 0)
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8, tt_classifier=not tensorized)).apply(forced)
+    assert isinstance(forced.model.get_submodule(dense), TTLinear) != tensorized
+    # tiny random models have no checkpoint: auto keeps their dense layer, as before
+    build_adapter(AdapterConfig(kind="tt", bottleneck_size=8)).apply(tiny)
+    assert not isinstance(tiny.model.get_submodule(dense), TTLinear)

@@ -1,4 +1,4 @@
-"""Command line: ``fedpeft run | tune | recipes | data | compare | report | sweep | deploy``."""
+"""Command line: ``fedpeft run | tune | recipes | data | compare | report | sweep | deploy | export | predict``."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
-from fedpeft.metrics.recorder import CheckpointError
+from fedpeft.metrics.recorder import CheckpointError, ExportError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -287,6 +288,64 @@ def _add_deploy_parser(sub: argparse._SubParsersAction) -> None:
     local.set_defaults(func=cmd_deploy_local)
 
 
+def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from fedpeft.export import check_hub_available, export_run, push_to_hub
+
+    if args.push_to_hub:
+        check_hub_available()  # before the export's work, not after it
+    out = export_run(Path(args.run_dir), Path(args.out), args.format, args.data_dir)
+    console.print(f"{args.format} export of {args.run_dir} in {out}")
+    if args.push_to_hub:
+        console.print(f"pushed to {push_to_hub(out, args.push_to_hub)}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedpeft.export import load
+    from fedpeft.predict import output_format, predict_rows, read_input, write_predictions
+
+    output = Path(args.output) if args.output else None
+    output_format(output)  # a bad extension fails before the model loads
+    loaded = load(args.model, args.data_dir)
+    inputs, data = read_input(loaded, Path(args.input), args.text_column)
+    batch_size = args.batch_size or loaded.cfg.evaluation.batch_size
+    progress = Progress(TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)
+    with progress:
+        bar = progress.add_task("predict", total=len(data))
+        table = predict_rows(loaded, inputs, data, batch_size, lambda done, _: progress.update(bar, completed=done))
+    write_predictions(table, output)
+    if output is not None:
+        console.print(f"{len(table)} predictions in {output}")
+    return 0
+
+
+def _add_use_parsers(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser("export", help="write a run's model as a PEFT adapter, a merged model or a bundle",
+                            description="Export RUN_DIR's model: peft (PeftModel.from_pretrained loads it), merged "
+                                        "(AutoModelFor<Task>.from_pretrained loads it) or bundle (fedpeft.load)")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--out", required=True, help="the export folder")
+    export.add_argument("--format", default="peft", help="peft (default), merged or bundle")
+    export.add_argument("--push-to-hub", metavar="REPO", help="upload the export to this Hugging Face hub repository")
+    export.add_argument("--data-dir", help="folder of the benchmark data (the run's labels come from its data)")
+    export.set_defaults(func=cmd_export)
+
+    predict = sub.add_parser("predict", help="predict the rows of a data file with a run or an export",
+                             description="Predict every row of a CSV/TSV/JSON/JSONL/Parquet file; writes the text "
+                                         "columns with the predicted label and probability, value or text")
+    predict.add_argument("model", metavar="RUN_DIR_OR_EXPORT")
+    predict.add_argument("--input", required=True, help="the data file")
+    predict.add_argument("--output", help="CSV, TSV or JSONL file, by extension (default: CSV on stdout)")
+    predict.add_argument("--text-column", action="append", default=[],
+                         help="input text column (repeatable: joined; default: the run's task.text_columns)")
+    predict.add_argument("--batch-size", type=int, help="examples per batch (default: evaluation.batch_size)")
+    predict.add_argument("--data-dir", help="folder of the benchmark data (a run's labels come from its data)")
+    predict.set_defaults(func=cmd_predict)
+
+
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-accuracy", type=float,
                         help="metric value to reach (default: 95%% of the best value any run reached)")
@@ -363,20 +422,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
     _add_deploy_parser(sub)
+    _add_use_parsers(sub)
     return parser
+
+
+DATA_ON_STDOUT = ("export", "predict")
+"""Commands whose stdout may carry data (predictions): their messages and errors go to stderr."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 180)  # logs and pipes get the whole table
+    if args.command in DATA_ON_STDOUT:
+        console = Console(stderr=True, soft_wrap=True)  # an error stays one line
+    else:
+        console = Console(width=None if sys.stdout.isatty() else 180)  # logs and pipes get the whole table
     try:
         return args.func(args, console)
     except ConfigError as err:
-        console.print(f"[red]config error[/] {err}")
+        console.print(f"[red]config error[/] {escape(str(err))}")  # messages quote [lists] and extras[...]
         return 2
     except CheckpointError as err:
-        console.print(f"[red]cannot resume[/] {err}")
+        console.print(f"[red]cannot resume[/] {escape(str(err))}")
+        return 2
+    except ExportError as err:
+        console.print(f"[red]error[/] {err}")
         return 2
 
 

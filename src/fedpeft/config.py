@@ -9,6 +9,7 @@ training starts; a bad value raises :class:`ConfigError` naming the field and wh
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -117,7 +118,13 @@ class PartitionConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``."""
+    """The backbone: ``minilm`` (offline alias), a local directory, a hub id, or ``tiny-<arch>``.
+
+    ``dtype`` holds the frozen backbone in bf16/fp16 (half its memory; needs ``engine.precision`` of
+    the same dtype); ``quantization: 4bit`` loads its linear layers as bitsandbytes NF4 with double
+    quantisation and bf16 compute (QLoRA), ``8bit`` as LLM.int8(): LoRA-family adapters only, on a
+    CUDA GPU, with ``pip install 'fedpeft[quant]'``.
+    """
 
     name: str = "minilm"
     head: Literal["auto", "sequence_classification", "causal_lm", "seq2seq", "multiple_choice", "masked_lm",
@@ -129,6 +136,10 @@ class ModelConfig(_Strict):
     tiny_heads: PositiveInt = 4
     template: str | None = None  # masked_lm: LM-BFF template with {0}, {1}, {mask} (default: per task)
     label_words: list[str] | None = None  # masked_lm: one word per label (default: LM-BFF's per label name)
+    # the FROZEN backbone's storage (trainable parameters and optimizer state stay fp32), and QLoRA-style
+    # bitsandbytes quantisation of its linear layers (see fedpeft.devices)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    quantization: Literal["none", "4bit", "8bit"] = "none"
 
 
 class AdapterConfig(_Strict):
@@ -163,8 +174,9 @@ class DPConfig(_Strict):
     sigma of client i is the smallest that keeps its whole run, ``rounds`` x its local steps per
     round, within (``epsilon``, ``delta``) under ``accountant`` (FedTT Prop. 1, App. D). ``rounds``
     defaults to the experiment's ``rounds`` (a client may be selected in every round). The noise
-    is seeded from the run seed so runs resume bit-identically; ``reproducible_noise: false`` draws
-    it from OS entropy with Opacus's secure sampling, as a deployment must. Each client's accountant
+    is drawn from OS entropy with Opacus's secure sampling unless ``noise_seed`` is set: whoever
+    knows the seed can regenerate the noise and subtract it, so a seed is for reproducible
+    experiments only (a seeded run resumes bit-identically). Each client's accountant
     is device-side state (it moves or stays with the client in every engine); replies report the
     epsilon spent. See :mod:`fedpeft.federated.dp_sgd` and :class:`fedpeft.federated.privacy.PrivacyLedger`.
     """
@@ -174,7 +186,16 @@ class DPConfig(_Strict):
     clip_norm: PositiveFloat = 1.0
     accountant: Literal["rdp", "prv"] = "rdp"
     rounds: PositiveInt | None = None
-    reproducible_noise: bool = True
+    noise_seed: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reproducible_noise_was_replaced(cls, data: Any) -> Any:
+        """Configs written before ``noise_seed`` seeded the noise with ``reproducible_noise: true``."""
+        if isinstance(data, dict) and "reproducible_noise" in data:
+            raise ConfigError("client.dp.reproducible_noise", "replaced by client.dp.noise_seed: leave it unset "
+                              "for noise nobody can predict, or set an integer for a reproducible experiment")
+        return data
 
 
 class ClientConfig(_Strict):
@@ -225,13 +246,23 @@ class StrategyConfig(_Strict):
 
 
 class DirectionCodecConfig(_Strict):
-    """How one direction (down or up) is encoded."""
+    """How one direction (down or up) is encoded. ``pack`` (dense codec only): one packed buffer
+    behind a 17-byte header and a presence bitmask instead of safetensors' per-tensor JSON header,
+    names and shapes being known to both sides (:func:`fedpeft.federated.codec.pack_state`)."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     kind: str = "dense"
     dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     density: Density = 1.0
+    pack: bool = False
+
+    @model_validator(mode="after")
+    def _pack_is_dense(self) -> DirectionCodecConfig:
+        if self.pack and self.kind != "dense":
+            raise ValueError(f"pack is an option of the dense codec, not of {self.kind!r} (which has its own "
+                             "compact format)")
+        return self
 
 
 class CodecConfig(_Strict):
@@ -256,6 +287,23 @@ class EngineConfig(_Strict):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     round_timeout: PositiveFloat | None = None
     connect_timeout: PositiveFloat = 300.0
+    device: str = "auto"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = False
+    deterministic: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device_present(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
+            raise ValueError(f"allowed: auto, cpu, cuda, cuda:N, mps (got {value!r})")
+        if value not in ("auto", "cpu"):  # asking torch costs an import; the defaults need no answer
+            from fedpeft.devices import device_problem
+
+            problem = device_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
 
 class NetworkConfig(_Strict):
@@ -410,6 +458,19 @@ class ExperimentConfig(_Strict):
             raise ConfigError("adapter.init", "svd puts W0's top-r part into LoRA A and B, so a topk download codec "
                               "(codec.down.density < 1) would cut pretrained weight out of the clients' model; use "
                               "init kaiming or gaussian, or a lossless download")
+        return self
+
+    @model_validator(mode="after")
+    def _accelerator(self) -> ExperimentConfig:
+        engine, model = self.engine, self.model
+        if (engine.precision, model.dtype, model.quantization, engine.gradient_checkpointing) == \
+                ("fp32", "fp32", "none", False):
+            return self
+        from fedpeft.devices import accelerator_problem
+
+        problem = accelerator_problem(self)
+        if problem is not None:
+            raise ConfigError(*problem)
         return self
 
     def clients_per_round(self) -> int:

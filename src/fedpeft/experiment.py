@@ -1,7 +1,8 @@
 """Turn a validated config into everything an engine needs, failing early on bad input.
 
-``prepare`` loads the task, partitions it, builds the backbone and adapter, tokenizes once,
-and builds the method's algorithm and codecs. Anything wrong with the data (missing file,
+``prepare`` loads the task, partitions it, builds the backbone and adapter, puts the model on
+``engine.device`` (:mod:`fedpeft.devices`), tokenizes once, and builds the method's algorithm
+and codecs. Anything wrong with the data (missing file,
 unknown label, more clients than examples) raises :class:`ConfigError` here, before training.
 """
 
@@ -21,9 +22,10 @@ from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.data.partition import partition_indices
 from fedpeft.data.tasks import load_task, resolve_data_dir, task_names
 from fedpeft.data.types import Example, TaskData
+from fedpeft.devices import Placement, place_model
 from fedpeft.federated.algorithm import Algorithm, MethodContext, build_algorithm
 from fedpeft.federated.client import ModelSlot
-from fedpeft.federated.codec import Codec, build_codec
+from fedpeft.federated.codec import Codec, build_codec, schema_of
 from fedpeft.federated.dp_sgd import per_sample_gradient_problems
 from fedpeft.federated.privacy import PrivacyLedger
 from fedpeft.federated.types import State
@@ -90,18 +92,32 @@ def load_data(cfg: ExperimentConfig, data_dir: str | None = None) -> tuple[TaskD
     return task, shards
 
 
+def build_model(cfg: ExperimentConfig, task: TaskData,
+                placement: Placement | None = None) -> tuple[Backbone, ModelSlot]:
+    """The backbone with the configured adapter, as every run builds it before round 1 (the same
+    model, bit for bit, from the same config: a checkpoint's global state loads into it). With a
+    ``placement`` (training), it is then put on that device, dtype and precision; without one
+    (export, load) it stays on the CPU in fp32."""
+    backbone = load_backbone(cfg.model, task, cfg.seed, placement.device if placement else None)
+    torch.manual_seed(cfg.seed)
+    build_adapter(cfg.adapter).apply(backbone)  # on the CPU: the adapters' seeded init is the same on any device
+    trainable = trainable_names(backbone.model)
+    if placement is not None:
+        place_model(backbone.model, trainable, cfg, placement)
+    return backbone, ModelSlot(backbone.model, trainable, placement)
+
+
 def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)
     task, shards = load_data(cfg, data_dir)
-    backbone = load_backbone(cfg.model, task, cfg.seed)
-    torch.manual_seed(cfg.seed)
-    build_adapter(cfg.adapter).apply(backbone)
-    slot = ModelSlot(backbone.model, trainable_names(backbone.model))
+    placement = Placement.from_config(cfg.engine)
+    backbone, slot = build_model(cfg, task, placement)
     spans = SpanSettings.from_config(cfg)
     def encode(examples: Sequence[Example]) -> EncodedData:
         data = encode_examples(examples, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
                                template=backbone.template, spans=spans)
+        data.device = placement.device
         if data.generation is not None:
             data.generation = GenerationSettings(backbone.tokenizer, cfg.evaluation.max_new_tokens,
                                                  cfg.evaluation.num_beams)
@@ -121,8 +137,9 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     return Experiment(
         cfg=cfg, task=task, shards=shards, train_rows=train_rows, backbone=backbone, slot=slot, train_data=train_data,
         eval_data=eval_data, validation_data=validation_data, algorithm=algorithm,
-        down_codec=build_codec(cfg.codec.down, "down"),
-        up_codec=build_codec(cfg.codec.up, "up"), initial_state=initial_state, privacy=privacy,
+        down_codec=build_codec(cfg.codec.down, "down", schema_of(initial_state)),
+        up_codec=build_codec(cfg.codec.up, "up", schema_of(initial_state)), initial_state=initial_state,
+        privacy=privacy,
     )
 
 

@@ -14,12 +14,7 @@ import torch
 from torch import nn
 
 from fedpeft.config import AdapterConfig, ConfigError
-from fedpeft.models.backbone import Backbone
-
-# top-level modules that are the task head in transformers' *For<Task> classes: BERT/RoBERTa/DeBERTa
-# ``classifier`` (+ DeBERTa's ``pooler``, DistilBERT's ``pre_classifier``), GPT-2/LLaMA ``score``,
-# BART/T5 ``classification_head``, extractive QA ``qa_outputs``
-HEAD_MODULE_NAMES = ("classifier", "score", "qa_outputs", "classification_head", "pre_classifier", "pooler")
+from fedpeft.models.backbone import HEAD_MODULE_NAMES, Backbone
 
 
 class Adapter(ABC):

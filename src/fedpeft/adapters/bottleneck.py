@@ -6,7 +6,11 @@ size, 64 by default). Placement follows the released LoRETTA code that FedTT bui
 "released code"): an *output* adapter on the output projection of every attention block and of
 every feed-forward block (BERT family: ``attention.output.dense`` and ``output.dense``, applied
 before their dropout + LayerNorm, as Houlsby places them); for LLaMA-style MLPs, *input* adapters
-on ``gate_proj``/``up_proj`` (``f(x + B(x))``) and an output adapter on ``down_proj``.
+on ``gate_proj``/``up_proj`` (``f(x + B(x))``) and an output adapter on ``down_proj``, and none
+after attention. ``decoder_layout: after_blocks`` gives LLaMA-style decoders what the FedTT paper's
+text describes instead (Sec. 4.1, "after the attention and feed-forward blocks"): an output adapter on
+the attention's ``o_proj`` and one on the MLP's ``down_proj`` (:data:`AFTER_BLOCK_PLACEMENTS`); the
+other models' default placement already is after each block, so the option changes nothing there.
 Encoder-decoder models get an adapter after every attention block (self and cross) and every
 feed-forward block of both stacks.
 
@@ -47,6 +51,7 @@ ADAPTER_PLACEMENTS: dict[str, dict[str, Placement]] = {
     "electra": {"attention.output.dense": "output", "output.dense": "output"},
     "distilbert": {"attention.out_lin": "output", "ffn.lin2": "output"},
     "gpt2": {"attn.c_proj": "output", "mlp.c_proj": "output"},
+    "mpnet": {"attention.attn.o": "output", "output.dense": "output"},
     "llama": {"mlp.gate_proj": "input", "mlp.up_proj": "input", "mlp.down_proj": "output"},
     "mistral": {"mlp.gate_proj": "input", "mlp.up_proj": "input", "mlp.down_proj": "output"},
     "qwen2": {"mlp.gate_proj": "input", "mlp.up_proj": "input", "mlp.down_proj": "output"},
@@ -55,7 +60,14 @@ ADAPTER_PLACEMENTS: dict[str, dict[str, Placement]] = {
     "bart": {"self_attn.out_proj": "output", "encoder_attn.out_proj": "output", "fc2": "output"},
     "mbart": {"self_attn.out_proj": "output", "encoder_attn.out_proj": "output", "fc2": "output"},
 }
-"""Module-name suffix -> placement, per ``model_type``: after each attention and FFN block."""
+"""Module-name suffix -> placement, per ``model_type``: after each attention and FFN block (LLaMA-style
+decoders: LoRETTA's MLP input and output adapters)."""
+
+AFTER_BLOCK_PLACEMENTS: dict[str, dict[str, Placement]] = {
+    model_type: {"self_attn.o_proj": "output", "mlp.down_proj": "output"}
+    for model_type in ("llama", "mistral", "qwen2")
+}
+"""``decoder_layout: after_blocks``: LLaMA-style decoders with an adapter after attention and after the MLP."""
 
 
 class BottleneckOptions(BaseModel):
@@ -68,6 +80,7 @@ class BottleneckOptions(BaseModel):
     non_linearity: str = "relu"
     scaling: float = 1.0
     input_target_modules: list[str] | None = None
+    decoder_layout: Literal["loretta", "after_blocks"] = "loretta"
 
     @field_validator("non_linearity")
     @classmethod
@@ -149,7 +162,8 @@ def resolve_targets(model: nn.Module, cfg: AdapterConfig, options: BottleneckOpt
     """Module name -> placement for every layer that gets an adapter.
 
     ``adapter.target_modules`` (output adapters) and ``adapter.input_target_modules`` (input
-    adapters), given as name suffixes, replace the per-model default of :data:`ADAPTER_PLACEMENTS`.
+    adapters), given as name suffixes, replace the per-model default of :data:`ADAPTER_PLACEMENTS`
+    (:data:`AFTER_BLOCK_PLACEMENTS` with ``decoder_layout: after_blocks``).
     """
     model_type = model.config.model_type
     if cfg.target_modules is None and options.input_target_modules is None:
@@ -157,6 +171,8 @@ def resolve_targets(model: nn.Module, cfg: AdapterConfig, options: BottleneckOpt
             raise ConfigError("adapter.target_modules", f"no default adapter placement for model type "
                               f"{model_type!r}; set adapter.target_modules (and input_target_modules)")
         suffixes = ADAPTER_PLACEMENTS[model_type]
+        if options.decoder_layout == "after_blocks":
+            suffixes = AFTER_BLOCK_PLACEMENTS.get(model_type, suffixes)
     else:
         suffixes = {s: "output" for s in cfg.target_modules or []}
         suffixes.update({s: "input" for s in options.input_target_modules or []})

@@ -15,7 +15,7 @@ from peft.utils import (
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fedpeft.adapters.base import Adapter, register_adapter
-from fedpeft.config import ConfigError
+from fedpeft.config import AdapterConfig, ConfigError
 from fedpeft.models.backbone import Backbone
 
 
@@ -25,27 +25,30 @@ class Ia3Options(BaseModel):
     feedforward_modules: list[str] | None = None
 
 
+def ia3_config(cfg: AdapterConfig, backbone: Backbone) -> IA3Config:
+    """PEFT's IA3 config for ``adapter.*`` on ``backbone`` (also what a PEFT export records)."""
+    try:
+        options = Ia3Options.model_validate(cfg.model_dump())
+    except ValidationError as err:
+        raise ConfigError("adapter.feedforward_modules", err.errors()[0]["msg"]) from None
+    model_type = backbone.model.config.model_type
+    targets = cfg.target_modules or TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING.get(model_type)
+    if not targets:
+        raise ConfigError("adapter.target_modules", f"no default IA3 targets for model type {model_type!r}; set them")
+    feedforward = options.feedforward_modules
+    if feedforward is None:
+        default_ff = TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING.get(model_type, [])
+        feedforward = [m for m in default_ff if m in targets]
+    return IA3Config(target_modules=list(targets), feedforward_modules=list(feedforward))
+
+
 @register_adapter
 class Ia3Adapter(Adapter):
     kind = "ia3"
 
     def inject(self, backbone: Backbone) -> None:
         try:
-            options = Ia3Options.model_validate(self.cfg.model_dump())
-        except ValidationError as err:
-            raise ConfigError("adapter.feedforward_modules", err.errors()[0]["msg"]) from None
-        model_type = backbone.model.config.model_type
-        targets = self.cfg.target_modules or TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING.get(model_type)
-        if not targets:
-            raise ConfigError("adapter.target_modules",
-                              f"no default IA3 targets for model type {model_type!r}; set them")
-        feedforward = options.feedforward_modules
-        if feedforward is None:
-            default_ff = TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING.get(model_type, [])
-            feedforward = [m for m in default_ff if m in targets]
-        try:
-            inject_adapter_in_model(IA3Config(target_modules=list(targets), feedforward_modules=list(feedforward)),
-                                    backbone.model)
+            inject_adapter_in_model(ia3_config(self.cfg, backbone), backbone.model)
         except ValueError as err:
             raise ConfigError("adapter.target_modules", str(err)) from err
         for name, param in backbone.model.named_parameters():

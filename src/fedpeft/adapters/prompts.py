@@ -182,10 +182,10 @@ def _soft_prompt_hooks(prompt: SoftPrompt, embeddings: nn.Module, left_align: bo
         mask = _extend_mask(kwargs.get("attention_mask"), batch, length, n, embeds.device)
         if kwargs.get("token_type_ids") is not None:
             types = kwargs["token_type_ids"]
-            kwargs["token_type_ids"] = torch.cat([torch.zeros(batch, n, dtype=types.dtype), types], dim=1)
+            kwargs["token_type_ids"] = torch.cat([types.new_zeros(batch, n), types], dim=1)
         labels = kwargs.get("labels")
         if labels is not None and labels.dim() == 2:  # token-level labels (causal LM, NER): prompt positions ignored
-            kwargs["labels"] = torch.cat([torch.full((batch, n), IGNORE_INDEX, dtype=labels.dtype), labels], dim=1)
+            kwargs["labels"] = torch.cat([labels.new_full((batch, n), IGNORE_INDEX), labels], dim=1)
         for key in SPAN_POSITIONS:  # QA targets index tokens, which now sit n places later
             if kwargs.get(key) is not None:
                 kwargs[key] = kwargs[key] + n

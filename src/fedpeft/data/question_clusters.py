@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedpeft.cache import cache_dir
 from fedpeft.seeding import single_thread
 
 Embedder = Callable[[Sequence[str]], np.ndarray]
@@ -34,7 +35,6 @@ ENCODER = "all-MiniLM-L6-v2"
 ENCODER_MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
 KMEANS_SEED = 0
 KMEANS_INITS = 10
-CACHE_ENV_VAR = "FEDPEFT_CACHE_DIR"
 
 
 def minilm_embeddings(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
@@ -63,10 +63,6 @@ def minilm_embeddings(texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)  # mean over real tokens
             out[rows] = torch.nn.functional.normalize(pooled, p=2, dim=1)
     return out.numpy().astype(np.float32)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "fedpeft")
 
 
 def cached_embeddings(texts: Sequence[str], embed: Embedder, encoder: str, folder: Path | None = None) -> np.ndarray:

@@ -1028,14 +1028,14 @@ class _Columns:
     group: Hashable | None
 
 
-_DEFAULT_TEXT_COLUMNS = ("text", "sentence", "content")
+DEFAULT_TEXT_COLUMNS = ("text", "sentence", "content")
 
 
 def _task_columns(cfg: TaskConfig, frame: pd.DataFrame, source: str) -> _Columns:
     """Resolve the configured columns of one table (names, or integer positions)."""
     text_specs: list[str | int] = list(cfg.text_columns)
     if not text_specs:
-        default = next((name for name in _DEFAULT_TEXT_COLUMNS if name in frame.columns), None)
+        default = next((name for name in DEFAULT_TEXT_COLUMNS if name in frame.columns), None)
         if default is None:
             raise ConfigError("task.text_columns", f"required; {source} has {_describe_columns(frame)}")
         text_specs = [default]

@@ -235,7 +235,8 @@ class LocalDeployment:
 
     ``simulation``: instead of SuperNodes, the SuperLink runs Flower's Simulation Engine (Ray,
     ``pip install 'fedpeft[simulation]'``) with ``num_nodes`` virtual SuperNodes, each ClientApp
-    worker reserving ``cpus_per_client`` CPUs.
+    worker reserving ``cpus_per_client`` CPUs and ``gpus_per_client`` of a GPU (0.25: four workers
+    share one GPU).
     """
 
     work_dir: Path
@@ -245,6 +246,7 @@ class LocalDeployment:
     data_dir: str | None = None
     simulation: bool = False
     cpus_per_client: int = 1
+    gpus_per_client: float = 0.0
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: list[IO[bytes]] = field(default_factory=list)
 
@@ -329,7 +331,8 @@ class LocalDeployment:
         command = [flower_executable("flwr"), "run", str(Path(app_dir).resolve()), CONNECTION, "--stream"]
         if self.simulation:
             command += ["--federation-config", f"num-supernodes={self.num_nodes} "
-                        f"client-resources-num-cpus={self.cpus_per_client} client-resources-num-gpus=0.0"]
+                        f"client-resources-num-cpus={self.cpus_per_client} "
+                        f"client-resources-num-gpus={self.gpus_per_client}"]
         process = subprocess.Popen(command, env=self.env, stdout=output, stderr=subprocess.STDOUT if output else None,
                                    cwd=self.work_dir, start_new_session=True)
         self.processes[f"run{len(self.processes)}"] = process

@@ -13,7 +13,8 @@ Both apps read the experiment from the run config (``experiment``: the YAML text
 ``fedpeft deploy app``), so every machine runs the same config. A SuperNode started with
 ``--node-config "partition-id=i num-partitions=N"`` hosts the clients ``c`` with ``c mod N == i``
 (one client per node when N equals ``partition.num_clients``); an optional ``data-dir`` node
-config points at its copy of the data. The ServerApp writes metrics and checkpoints to
+config points at its copy of the data, an optional ``device`` (``cuda:1``, ``cpu``, ...) at the
+node's own ``engine.device``. The ServerApp writes metrics and checkpoints to
 ``run-dir`` on the SuperLink's machine and evaluates the global model on the eval split there.
 
 A node that dies or times out (``engine.round_timeout``) costs the round its clients (logged as
@@ -48,7 +49,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
-from fedpeft.config import ConfigError, DirectionCodecConfig, ExperimentConfig, build_config
+from fedpeft.config import ConfigError, DirectionCodecConfig, ExperimentConfig, apply_overrides, build_config
 from fedpeft.engines.protocol import (
     ClientFailure,
     Outcome,
@@ -424,18 +425,22 @@ def serve(grid: Grid, context: Context) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def prepared(experiment_yaml: str, data_dir: str | None) -> Experiment:
-    """The node's experiment; kept while the process lives (Flower's simulation reuses its workers)."""
+def prepared(experiment_yaml: str, data_dir: str | None, device: str | None = None) -> Experiment:
+    """The node's experiment, on the node's own ``device`` when its node config names one (else the
+    run's ``engine.device``); kept while the process lives (Flower's simulation reuses its workers)."""
     from fedpeft.experiment import prepare
 
-    return prepare(build_config(yaml.safe_load(experiment_yaml)), data_dir)
+    raw = yaml.safe_load(experiment_yaml)
+    if device:
+        raw = apply_overrides(raw, [f"engine.device={device}"])
+    return prepare(build_config(raw), data_dir)
 
 
 def node_experiment(context: Context) -> tuple[Experiment, NodePartition]:
     settings = RunSettings.from_run_config(dict(context.run_config))
     node_config = dict(context.node_config)
     data_dir = str(node_config.get("data-dir", "")) or settings.data_dir
-    exp = prepared(settings.experiment_yaml, data_dir)
+    exp = prepared(settings.experiment_yaml, data_dir, str(node_config.get("device", "")) or None)
     return exp, NodePartition.from_node_config(node_config, exp.cfg)
 
 

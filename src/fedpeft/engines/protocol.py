@@ -164,6 +164,8 @@ def serve_task(exp: Experiment, wire: WireTask) -> Outcome:
         seed = derive_seed(exp.cfg.seed, "client", wire.round_idx, cid)
         result, stats = exp.algorithm.client_update(exp.slot, exp.train_data, exp.train_rows[cid], task, seed,
                                                     wire.count_flops)
+        # the codec encodes CPU tensors, whatever device computed them (a method's extra probes included)
+        result.update = {key: value.cpu() for key, value in result.update.items()}
         if exp.privacy is not None:
             result.metrics.update(exp.privacy.report(cid))
         for fault in faults:
@@ -176,7 +178,7 @@ def serve_task(exp: Experiment, wire: WireTask) -> Outcome:
         codec_seconds += time.perf_counter() - t0
         for fault in faults:
             if fault.kind in MESSAGE_FAULTS:
-                message = damage(message, fault.kind)
+                message = damage(message, fault.kind, exp.up_codec.schema)
     except CodecError as err:
         return ClientFailure(cid, "rejected", f"undecodable message: {err}")
     except Exception as err:  # a failing client must not take the round down

@@ -22,18 +22,28 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fedpeft.metrics.flops  # noqa: F401  (lets FlopCounterMode see CPU fused attention)
 from fedpeft.config import ClientConfig
+from fedpeft.devices import Placement
 from fedpeft.federated.dp_sgd import backward, poisson_batches, private_optimizer, private_step
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.encoding import EncodedData, example_mean_loss, training_batch
 
 
 class ModelSlot:
-    """The shared model plus fast access to its parameters by name."""
+    """The shared model plus fast access to its parameters by name.
 
-    def __init__(self, model: nn.Module, trainable: Sequence[str]) -> None:
+    The model lives on ``placement.device`` (see :mod:`fedpeft.devices`); states go in from the CPU
+    (:meth:`load`) and come back out on the CPU (:meth:`read`): the server never holds a device tensor.
+    """
+
+    def __init__(self, model: nn.Module, trainable: Sequence[str], placement: Placement | None = None) -> None:
         self.model = model
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self.trainable = list(trainable)
+        self.placement = placement or Placement()
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
 
     @torch.no_grad()
     def load(self, state: State) -> None:
@@ -41,7 +51,12 @@ class ModelSlot:
             self.params[key].copy_(value)
 
     def read(self, keys: Sequence[str] | None = None) -> State:
-        return {k: self.params[k].detach().clone() for k in (self.trainable if keys is None else keys)}
+        """CPU copies of the parameters ``keys`` (default: the trainable ones)."""
+        return {k: self.params[k].detach().to("cpu", copy=True) for k in (self.trainable if keys is None else keys)}
+
+    def snapshot(self, keys: Sequence[str]) -> State:
+        """Copies of the parameters ``keys`` on the model's device (a client's reference point)."""
+        return {k: self.params[k].detach().clone() for k in keys}
 
     def set_trainable(self, keys: Sequence[str] | frozenset[str] | None) -> list[nn.Parameter]:
         """Enable gradients on ``keys`` (default: all trainable), disable on the other trainable ones."""
@@ -97,13 +112,14 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
     params = slot.set_trainable(task.train_keys)
     train_names = [n for n in slot.trainable if slot.params[n].requires_grad]
     upload = sorted(task.upload_keys if task.upload_keys is not None else train_names)
-    start = slot.read(sorted(set(upload) | set(train_names)))
+    start = slot.snapshot(sorted(set(upload) | set(train_names)))
     optimizer = build_optimizer(params, cfg, task.config.get("lr"))
     mu = float(task.config.get("proximal_mu", 0.0))
     anchors = [start[n] for n in train_names] if mu > 0 else []
 
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    scaler = slot.placement.grad_scaler()
     stats = TrainStats()
     slot.model.train()
     steps = int(task.config.get("local_steps") or local_steps(len(shard), cfg))
@@ -132,16 +148,22 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
                     objective = loss
                     if mu > 0:
                         objective = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
-                    objective.backward()
+                    (objective if scaler is None else scaler.scale(objective)).backward()
                 else:
                     loss = example_mean_loss(slot.model, data, batch)
                     backward(loss)
             if dp is not None:
                 private_step(step_optimizer, len(positions))
             else:
+                if scaler is not None:  # fp16: clip the true gradient
+                    scaler.unscale_(step_optimizer)
                 if cfg.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                step_optimizer.step()
+                if scaler is None:
+                    step_optimizer.step()
+                else:  # skips a step whose gradients overflowed, and adapts the loss scale
+                    scaler.step(step_optimizer)
+                    scaler.update()
             stats.step_seconds += time.perf_counter() - t0
             if counter is not None:
                 stats.flops_per_step = int(counter.get_total_flops())
@@ -149,7 +171,7 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
             stats.steps += 1
 
     with torch.no_grad():
-        update = {k: slot.params[k].detach() - start[k] for k in upload}
+        update = {k: (slot.params[k].detach() - start[k]).cpu() for k in upload}
     slot.set_trainable(None)
     stats.total_seconds = time.perf_counter() - start_time
     result = ClientResult(

@@ -69,7 +69,7 @@ class ClientStateStore(Mapping[int, State]):
 
     def put(self, client: int, state: State) -> None:
         """Store ``state`` as the client's (a new file version, written atomically)."""
-        tensors = {key: value.detach().contiguous().clone() for key, value in state.items()}
+        tensors = {key: value.detach().cpu().contiguous().clone() for key, value in state.items()}  # CPU copies
         if self.directory is None:
             self.memory[client] = tensors
             return

@@ -55,7 +55,7 @@ class ClientPrivacy:
     clip_norm: float
     expected_batch_size: int
     accountant: IAccountant
-    reproducible_noise: bool = True
+    noise_seed: int | None = None
 
 
 def poisson_batches(num_examples: int, sample_rate: float, steps: int, generator: torch.Generator
@@ -65,10 +65,13 @@ def poisson_batches(num_examples: int, sample_rate: float, steps: int, generator
         yield torch.nonzero(torch.rand(num_examples, generator=generator) < sample_rate).flatten().tolist()
 
 
-def noise_generator(privacy: ClientPrivacy, seed: int) -> torch.Generator:
-    """Seeded by the client's training seed (reproducible), or from OS entropy."""
-    return torch.Generator().manual_seed(derive_seed(seed, "dp_sgd_noise") if privacy.reproducible_noise
-                                         else secrets.randbits(63))
+def noise_generator(privacy: ClientPrivacy, seed: int, device: torch.device) -> torch.Generator:
+    """From OS entropy, or, with ``noise_seed`` set (reproducible experiments only: the seed reveals
+    the noise), from it and the client's training seed ``seed``; on the parameters' ``device``,
+    where Opacus draws the noise."""
+    if privacy.noise_seed is None:
+        return torch.Generator(device).manual_seed(secrets.randbits(63))
+    return torch.Generator(device).manual_seed(derive_seed(seed, "dp_sgd_noise", privacy.noise_seed))
 
 
 @contextmanager
@@ -90,7 +93,8 @@ def private_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, privac
 
     dp_optimizer = DPOptimizer(optimizer, noise_multiplier=privacy.noise_multiplier, max_grad_norm=privacy.clip_norm,
                                expected_batch_size=privacy.expected_batch_size, loss_reduction="mean",
-                               generator=noise_generator(privacy, seed), secure_mode=not privacy.reproducible_noise)
+                               generator=noise_generator(privacy, seed, optimizer.param_groups[0]["params"][0].device),
+                               secure_mode=privacy.noise_seed is None)
     dp_optimizer.attach_step_hook(after_noise)
     try:
         yield dp_optimizer
@@ -120,7 +124,7 @@ def private_step(dp_optimizer: DPOptimizer, num_examples: int) -> None:
     """
     for param in dp_optimizer.params:
         if getattr(param, "grad_sample", None) is None:
-            param.grad_sample = torch.zeros((num_examples, *param.shape), dtype=param.dtype)
+            param.grad_sample = param.new_zeros((num_examples, *param.shape))
     dp_optimizer.step()
 
 

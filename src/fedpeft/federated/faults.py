@@ -13,7 +13,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedpeft.config import FaultConfig
-from fedpeft.federated.codec import read_metadata
+from fedpeft.federated.codec import PACK_MAGIC, Schema, packed_with_dtype, read_metadata
 from fedpeft.federated.types import ClientResult
 from fedpeft.seeding import rng_for
 
@@ -62,11 +62,14 @@ def corrupt(result: ClientResult, kind: str) -> ClientResult:
     return ClientResult(result.client_id, update, result.num_samples, result.train_loss, result.metrics)
 
 
-def damage(message: bytes, kind: str) -> bytes:
+def damage(message: bytes, kind: str, schema: Schema | None = None) -> bytes:
     """Return the encoded upload ``message`` damaged as ``kind`` says: cut in half (``truncated``),
-    or with its first tensor re-sent as int64 under the same header metadata (``wrong_dtype``)."""
+    or with its first tensor re-sent as int64 under the same header metadata (``wrong_dtype``; a
+    packed message, whose tensors share one dtype, has all of them re-sent as int64)."""
     if kind == "truncated":
         return message[: len(message) // 2]
+    if message.startswith(PACK_MAGIC) and schema is not None:
+        return packed_with_dtype(message, schema, torch.int64)
     tensors = st_load(message)
     first = sorted(tensors)[0]
     tensors[first] = tensors[first].to(torch.int64)

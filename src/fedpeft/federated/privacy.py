@@ -155,7 +155,7 @@ class PrivacyLedger:
         return ClientPrivacy(noise_multiplier=self.noise_multiplier(client_id),
                              sample_rate=self.sample_rate(client_id), clip_norm=self.dp.clip_norm,
                              expected_batch_size=min(self.batch_size, self.sizes[client_id]), accountant=acct,
-                             reproducible_noise=self.dp.reproducible_noise)
+                             noise_seed=self.dp.noise_seed)
 
     def epsilon(self, client_id: int) -> float:
         """Epsilon client ``client_id`` has spent so far (cached until its accountant steps again)."""
@@ -227,4 +227,5 @@ def privacy_record(dp: DPConfig, reports: Mapping[int, Mapping[str, float]], pre
         "noise_multiplier": {str(c): float(reports[c][NOISE_MULTIPLIER]) for c in clients},
         "steps": {str(c): int(reports[c][STEPS]) for c in clients},
         "max_epsilon": max([previous_max, *spent.values()]),
+        "noise_seeded": dp.noise_seed is not None,
     }

@@ -192,7 +192,7 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
         for key, value in task.payload.items():
             if dense_head and lora_matrix(key) is None:
                 continue
-            received = (value != 0).to(value.dtype)
+            received = (value != 0).to(slot.device, value.dtype)
             handles.append(slot.params[key].register_hook(lambda grad, m=received: grad * m))
     try:
         result, stats = train_client(slot, data, shard, task, cfg, seed, count_flops)

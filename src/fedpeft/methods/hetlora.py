@@ -97,6 +97,10 @@ class HetLora(LoraFedAvg):
             raise ConfigError("adapter.kind", "hetlora slices LoRA matrices; use adapter.kind lora")
         if min(tiers) < rank:
             refuse_svd_init(self.cfg.adapter, f"hetlora's rank-{min(tiers)} slices of the rank-{rank} LoRA")
+            for direction in ("down", "up"):
+                if getattr(self.cfg.codec, direction).pack:  # a packed message holds whole tensors of the schema
+                    raise ConfigError(f"codec.{direction}.pack", f"hetlora sends rank-{min(tiers)} slices, whose "
+                                      "shapes a packed message cannot carry; set it to false")
         n = self.cfg.partition.num_clients
         if options.rank_assignment == "modulo":
             tier_of = np.arange(n) % len(tiers)

@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """The run directory cannot be resumed (missing, corrupt or from another experiment)."""
 
 
+class ExportError(ValueError):
+    """A run or export cannot be loaded, exported or predicted with (:mod:`fedpeft.export`); the
+    message names why, in one line."""
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -48,12 +53,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-# Engine fields that change where clients run, not what they compute: a run may resume on another engine.
-TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout")
+# Engine fields that change where clients run, not what they compute: a run may resume on another engine
+# or device (checkpoints hold CPU tensors only).
+TRANSPORT_FIELDS = ("threads", "backend", "round_timeout", "connect_timeout", "device", "gradient_checkpointing",
+                    "deterministic")
 
-LATER_FIELDS: dict[tuple[str, str], Any] = {
+LATER_FIELDS: dict[tuple[str, ...], Any] = {
     ("client", "dp"): None, ("client", "timeout_seconds"): None, ("task", "validation_fraction"): None,
     ("task", "validation_file"): None, ("evaluation", "splits"): ["eval", "validation"],
+    ("codec", "down", "pack"): False, ("codec", "up", "pack"): False,
+    ("engine", "precision"): "fp32", ("model", "dtype"): "fp32", ("model", "quantization"): "none",
 }
 """Config fields added after runs were already checkpointed, with their defaults: left out of the
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
@@ -73,9 +82,12 @@ def resume_fingerprint(cfg: ExperimentConfig) -> str:
     for key in TRANSPORT_FIELDS:
         raw["engine"].pop(key, None)
     raw["engine"]["kind"] = "local"
-    for (section, field), default in LATER_FIELDS.items():
-        if raw[section].get(field) == default:
-            raw[section].pop(field, None)
+    for (*sections, field), default in LATER_FIELDS.items():
+        node = raw
+        for section in sections:
+            node = node[section]
+        if node.get(field) == default:
+            node.pop(field, None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
@@ -136,7 +148,7 @@ class Recorder:
                 raise CheckpointError(f"{saved} differs from the config given; only rounds and output.* may change")
             return None
         try:
-            state = torch.load(self.checkpoint_path, weights_only=True)
+            state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
         except Exception as err:
             raise CheckpointError(f"corrupt checkpoint {self.checkpoint_path}: {err}") from err
         missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]

@@ -22,10 +22,12 @@ def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     last = records[-1] if records else {}
     trained = [r for r in records if r["round"] > 0]
     private = [r["privacy"] for r in trained if "privacy" in r]
-    dp = {"dp_epsilon": private[-1]["max_epsilon"], "dp_delta": private[-1]["delta"]} if private else {}
+    dp = {"dp_epsilon": private[-1]["max_epsilon"], "dp_delta": private[-1]["delta"],
+          "dp_noise_seeded": private[-1].get("noise_seeded")} if private else {}
     served = [r["server_privacy"] for r in trained if "server_privacy" in r]  # client-level (DP-FedAdam)
     if served:
-        dp.update(server_dp_epsilon=served[-1]["epsilon"], server_dp_delta=served[-1]["delta"])
+        dp.update(server_dp_epsilon=served[-1]["epsilon"], server_dp_delta=served[-1]["delta"],
+                  server_dp_noise_seeded=served[-1].get("noise_seeded"))
     return {
         "metric": metric,
         "rounds": len(trained),

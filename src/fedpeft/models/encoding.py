@@ -80,7 +80,8 @@ class EncodedData:
     Generation tasks also carry ``targets`` (token ids of each example's first reference, + eos),
     ``references`` (every reference text, for ROUGE) and their decoding ``generation`` settings.
     Per-token tasks carry their ``scorer``; ``example_of`` maps rows to examples when an example
-    has several rows (QA windows; None: row i is example i).
+    has several rows (QA windows; None: row i is example i). Every batch is built on ``device``,
+    the model's (``engine.device``, see :mod:`fedpeft.devices`).
     """
 
     features: list[dict[str, list[int]]]
@@ -93,6 +94,7 @@ class EncodedData:
     generation: GenerationSettings | None = None
     scorer: TokenScorer | None = None
     example_of: list[int] | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _rows: dict[int, list[int]] | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
@@ -240,8 +242,17 @@ def _generative_batch(data: EncodedData, idx: Sequence[int], targets: Sequence[S
     return batch
 
 
+def _on_device(data: EncodedData, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.to(data.device) for key, value in batch.items()}
+
+
 def training_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Model inputs with the targets of this head's loss (``labels``, or the QA span positions)."""
+    """Model inputs with the targets of this head's loss (``labels``, or the QA span positions),
+    on the data's device."""
+    return _on_device(data, _cpu_batch(data, idx))
+
+
+def _cpu_batch(data: EncodedData, idx: Sequence[int]) -> dict[str, torch.Tensor]:
     if data.head == "token_classification":
         batch = _classification_batch(data, idx)
         batch["labels"] = _pad([data.features[i]["labels"] for i in idx], IGNORE_INDEX)
@@ -314,22 +325,26 @@ def example_mean_loss(model: nn.Module, data: EncodedData, batch: dict[str, torc
 
 
 @torch.no_grad()
-def predict(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
-    """Predicted class ids (or regression values) for the examples ``idx``."""
+def output_scores(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
+    """Per example ``idx``, the head's scores on the CPU: class logits (a generative head: each
+    label text's log-likelihood), or the regression value (one column)."""
     if data.head in ("causal_lm", "seq2seq"):
         assert data.label_targets is not None
-        scores = torch.stack([
-            _sequence_log_likelihood(model, _generative_batch(data, idx, [target] * len(idx)),
+        return torch.stack([
+            _sequence_log_likelihood(model, _on_device(data, _generative_batch(data, idx, [target] * len(idx))),
                                      data.head == "seq2seq")
             for target in data.label_targets
-        ], dim=-1)
-        return scores.argmax(dim=-1)
-    batch = training_batch(data, idx)
-    batch.pop("labels")
-    logits = model(**batch).logits
-    if logits.shape[-1] == 1 and data.head == "sequence_classification" and isinstance(data.labels[0], float):
-        return logits.squeeze(-1).float()
-    return logits.argmax(dim=-1)
+        ], dim=-1).cpu()
+    return model(**model_inputs(training_batch(data, idx))).logits.cpu()
+
+
+@torch.no_grad()
+def predict(model: nn.Module, data: EncodedData, idx: Sequence[int]) -> torch.Tensor:
+    """Predicted class ids (or regression values) for the examples ``idx``, on the CPU."""
+    scores = output_scores(model, data, idx)
+    if scores.shape[-1] == 1 and data.head == "sequence_classification" and isinstance(data.labels[0], float):
+        return scores.squeeze(-1).float()
+    return scores.argmax(dim=-1)
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -351,5 +366,6 @@ def token_scores(model: nn.Module, data: EncodedData, rows: Sequence[int], batch
         else:
             scores = output.logits
         lengths = inputs["attention_mask"].sum(dim=1).tolist()
-        out.extend(scores[i, :length].float().numpy() for i, length in enumerate(lengths))
+        scores = scores.float().cpu()
+        out.extend(scores[i, :length].numpy() for i, length in enumerate(lengths))
     return out

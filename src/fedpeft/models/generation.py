@@ -38,6 +38,7 @@ def generate_texts(model: nn.Module, data: EncodedData, idx: Sequence[int],
     tokenizer = settings.tokenizer
     causal = data.head == "causal_lm"
     input_ids, attention_mask = _padded([data.features[i]["input_ids"] for i in idx], data.pad_id, left=causal)
+    input_ids, attention_mask = input_ids.to(data.device), attention_mask.to(data.device)
     output = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=settings.max_new_tokens,
         num_beams=settings.num_beams, do_sample=False, pad_token_id=data.pad_id,

@@ -310,8 +310,8 @@ def head_importance(model: nn.Module, sites: Sequence[HeadSite], batches: Iterab
                 if exclude in ("both", "keys"):
                     k_valid = k_valid & k_not_end
                 confidence, has_queries = head_confidence(captured[index], q_valid, k_valid)
-                totals[index] += confidence[has_queries].sum(dim=0)
-                examples[index] += has_queries.sum()
+                totals[index] += confidence[has_queries].sum(dim=0).cpu()
+                examples[index] += has_queries.sum().cpu()
     model.train(was_training)
     return totals / examples.clamp(min=1.0)[:, None]
 
@@ -413,6 +413,10 @@ def _empty_forward(site: HeadSite, module: nn.Module, out_module: nn.Module) -> 
     return forward
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
 def _patch(stack: ExitStack, obj: nn.Module, attribute: str, value: Any) -> None:
     had = attribute in obj.__dict__
     previous = obj.__dict__.get(attribute)
@@ -442,12 +446,14 @@ def pruned_heads(model: nn.Module, sites: Sequence[HeadSite], kept: Sequence[Seq
             if len(heads) == site.num_heads:
                 continue
             module = modules[site.name]
-            rows = site.in_features(heads)
+            out_module = modules[site.out_projection]
+            device = _device_of(out_module)  # index_select wants its indices where the weights are
+            rows = site.in_features(heads).to(device)
             for path in site.in_projections:
                 _patch(stack, modules[path], "forward", sliced_projection(modules[path], rows, None))
-            out_module = modules[site.out_projection]
-            _patch(stack, out_module, "forward", sliced_projection(out_module, None, site.out_features(heads)))
-            kept_index = torch.tensor(heads, dtype=torch.long)
+            _patch(stack, out_module, "forward",
+                   sliced_projection(out_module, None, site.out_features(heads).to(device)))
+            kept_index = torch.tensor(heads, dtype=torch.long, device=device)
             if site.family == "t5":
                 _patch(stack, module, "forward", _t5_forward(module, type(module).forward.__get__(module), kept_index))
             elif not heads:
@@ -464,7 +470,7 @@ def masked_heads(model: nn.Module, sites: Sequence[HeadSite], kept: Sequence[Seq
     modules = dict(model.named_modules())
     with ExitStack() as stack:
         for site, heads in zip(sites, kept, strict=True):
-            mask = torch.zeros(site.num_heads * site.head_dim)
+            mask = torch.zeros(site.num_heads * site.head_dim, device=_device_of(modules[site.out_projection]))
             mask[site.out_features(sorted(int(h) for h in heads))] = 1.0
 
             def zero_pruned(module: nn.Module, args: tuple[Any, ...], mask: torch.Tensor = mask) -> tuple[Any, ...]:

@@ -134,7 +134,7 @@ class VerbalizedClassifier(nn.Module):
                 ) -> SequenceClassifierOutput:
         positions = (input_ids == self.mask_token_id).int().argmax(dim=1)
         out = self.language_model(input_ids=input_ids, **kwargs)
-        at_mask = out.logits[torch.arange(input_ids.shape[0]), positions]
+        at_mask = out.logits[torch.arange(input_ids.shape[0], device=input_ids.device), positions]
         logits = at_mask[:, self.word_ids]
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)

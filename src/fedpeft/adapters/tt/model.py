@@ -4,7 +4,8 @@ The bottleneck adapters of :mod:`fedpeft.adapters.bottleneck` (same placement, R
 64, scaling 1, dropout 0), with every Down/Up projection a :class:`TTLinear` of rank
 ``adapter.tt_rank`` whose shape comes from :func:`~fedpeft.adapters.tt.shapes.tt_shape`.
 Trainable: every core and bias of the adapters, the task head (``adapter.train_head``), and,
-with ``adapter.tt_classifier``, the TT layer that replaces the head's hidden x hidden dense layer.
+with ``adapter.tt_classifier`` (``auto``: where the checkpoint did not provide the head's hidden x
+hidden dense layer, see :func:`tensorize_classifier`), the TT layer that replaces that layer.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def classifier_dense_name(model: nn.Module) -> str | None:
     return None
 
 
+def tensorize_classifier(backbone: Backbone, setting: bool | str) -> bool:
+    """Whether ``adapter.tt_classifier`` (``setting``) replaces the head's dense layer: ``auto`` does
+    where that layer is new (not in the checkpoint, so trained and sent in full otherwise)."""
+    if setting != "auto":
+        return bool(setting)
+    name = classifier_dense_name(backbone.model) if backbone.head == "sequence_classification" else None
+    return name is not None and f"{name}.weight" in backbone.new_parameters
+
+
 @register_adapter
 class TTAdapter(Adapter):
     """Tensorized bottleneck adapters (kind ``tt``): recipes ``fedtt`` and ``fedtt_plus``."""
@@ -52,14 +62,19 @@ class TTAdapter(Adapter):
 
     def linear(self, in_features: int, out_features: int) -> TTLinear:
         modes = tt_shape(in_features, out_features, self.options.tt_max_mode, self.options.tt_shapes)
-        return TTLinear(in_features, out_features, modes, self.options.tt_rank)
+        try:
+            return TTLinear(in_features, out_features, modes, self.options.tt_rank,
+                            contraction=self.options.tt_contraction)
+        except ValueError as err:
+            raise ConfigError("adapter.tt_contraction", f"{err}: use rebuild or auto, or reorder "
+                              f"adapter.tt_shapes['{in_features}x{out_features}']") from err
 
     def inject(self, backbone: Backbone) -> None:
         adapted = inject_bottlenecks(backbone.model, self.cfg, self.options, self.linear)
         if self.options.tt_up_init_scale != 1.0:
             for layer in adapted:
                 layer.adapter.up.scale_init(self.options.tt_up_init_scale)
-        if self.options.tt_classifier:
+        if tensorize_classifier(backbone, self.options.tt_classifier):
             self._tensorize_classifier(backbone)
 
     def _tensorize_classifier(self, backbone: Backbone) -> None:

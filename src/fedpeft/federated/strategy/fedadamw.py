@@ -15,9 +15,10 @@ DP-FedAdam (paper Sec. 4.5, server-side client-level DP, after Charles et al.): 
 ``dp_clip_norm`` C > 0, every client update is scaled to L2 norm at most C (all its tensors as one
 vector), the clipped updates are summed, divided by C, Gaussian noise N(0, sigma^2) with
 ``sigma = dp_noise_multiplier`` is added to every coordinate, and the result divided by the number
-of clients is the pseudo-gradient (exactly the released code's order). The noise is drawn from a
-generator seeded by ``(noise_seed, server step)`` so simulations resume bit-identically;
-``noise_seed: null`` draws it from OS entropy instead (what a real deployment must do).
+of clients is the pseudo-gradient (exactly the released code's order). The noise is drawn from OS
+entropy unless ``noise_seed`` is set, which seeds it by ``(noise_seed, server step)`` so that a
+simulation resumes bit-identically; a known seed lets anyone subtract the noise, so it is for
+experiments only.
 The privacy budget (:meth:`FedAdamW.server_privacy`, logged every round as ``server_privacy`` and
 in ``summary.json`` as ``server_dp_epsilon``) is computed by :mod:`fedpeft.federated.privacy` at
 ``dp_delta`` (1e-5), for the run's cohort or, with ``dp_simulated_cohort``, for a simulated one.
@@ -51,7 +52,7 @@ class FedAdamWOptions(BaseModel):
     dp_simulated_cohort: int | None = Field(None, gt=0)
     dp_clip_norm: float = Field(0.0, ge=0)
     dp_noise_multiplier: float = Field(0.0, ge=0)
-    noise_seed: int | None = 0
+    noise_seed: int | None = None
 
 
 def validate_options(model: type[BaseModel], extra: dict[str, Any], section: str) -> Any:
@@ -148,7 +149,8 @@ class FedAdamW(Strategy):
         return {"epsilon": dp_fedadam_epsilon(o.dp_noise_multiplier, cohort, population, rounds, o.dp_delta,
                                               o.dp_simulated_cohort),
                 "delta": o.dp_delta, "noise_multiplier": o.dp_noise_multiplier, "clip_norm": o.dp_clip_norm,
-                "simulated_cohort": o.dp_simulated_cohort, "update_norms": list(self.last_norms)}
+                "simulated_cohort": o.dp_simulated_cohort, "update_norms": list(self.last_norms),
+                "noise_seeded": o.noise_seed is not None}
 
     def step(self, global_state: State, delta: State) -> State:
         """AdamW on ``grad = -delta`` for the keys in ``delta``; the other keys are left alone."""

@@ -343,7 +343,8 @@ class FedPepTAO(Algorithm):
                 shifted = flat(torch.autograd.grad(slot.model(**batch).loss, params))  # grad F(w^t + Delta)
                 slot.load(dict(zip(self.layer_keys, current)))
                 gradient, matvec = hessian_vector_product(slot.model(**batch).loss, params)
-                delta = flat([self.initial_prompts[k] for k in self.layer_keys]) - flat(current)  # line 3
+                initial = flat([self.initial_prompts[k] for k in self.layer_keys]).to(slot.device)
+                delta = initial - flat(current)  # line 3
                 lipschitz = secant_lipschitz(matvec(delta), gradient, shifted.detach(), delta)
 
                 def ratio_of(spectrum: Spectrum) -> float:

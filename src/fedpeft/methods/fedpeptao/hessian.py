@@ -60,14 +60,13 @@ def hessian_vector_product(loss: torch.Tensor, params: Sequence[torch.Tensor]) -
     grads = torch.autograd.grad(loss, list(params), create_graph=True)
     gradient = flat(grads)
 
-    def matvec(vector: torch.Tensor) -> torch.Tensor:
-        vector = vector.to(gradient.dtype)
+    def matvec(vector: torch.Tensor) -> torch.Tensor:  # H v where v lives (Lanczos keeps its basis on the CPU)
         batched = vector.dim() == 2
-        product = torch.autograd.grad(gradient, list(params), grad_outputs=vector, retain_graph=True,
-                                      is_grads_batched=batched)
+        product = torch.autograd.grad(gradient, list(params), grad_outputs=vector.to(gradient.device, gradient.dtype),
+                                      retain_graph=True, is_grads_batched=batched)
         if batched:
-            return torch.cat([p.reshape(vector.shape[0], -1) for p in product], dim=1).detach()
-        return flat(product).detach()
+            return torch.cat([p.reshape(vector.shape[0], -1) for p in product], dim=1).detach().to(vector.device)
+        return flat(product).detach().to(vector.device)
 
     return gradient.detach(), matvec
 
