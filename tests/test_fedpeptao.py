@@ -16,14 +16,18 @@ from fedpeft.config import AdapterConfig, ConfigError, ModelConfig, build_config
 from fedpeft.data.types import TaskData
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
-from fedpeft.methods.fedpeptao.algorithm import LAYER_SCORES_KEY, RATIO_PROBE_KEY
+from fedpeft.methods.fedpeptao.algorithm import LAYER_SCORES_KEY, RATIO_PROBE_KEY, parse_options
 from fedpeft.methods.fedpeptao.hessian import (
+    RATIO_PROBE_FIELDS,
+    Spectrum,
     density_ratio,
     eigengap_ratio,
     extreme_eigenvalues,
     flat,
+    gap_ratio,
     hessian_vector_product,
     lanczos,
+    prompt_spectrum,
     secant_lipschitz,
     spectrum_from_density,
 )
@@ -34,7 +38,8 @@ from fedpeft.methods.fedpeptao.scoring import (
     select_layers,
 )
 from fedpeft.methods.fedpeptao.server import AdaptiveServer, AdaptiveServerOptions, ClientDelta
-from fedpeft.metrics.recorder import load_metrics
+from fedpeft.metrics.recorder import CHECKPOINT, load_metrics
+from fedpeft.sweep import load_sweep
 from tests.conftest import tiny_raw_config
 from tests.test_prompts import learnable_experiment, learning_config
 
@@ -124,6 +129,8 @@ def test_hessian_vector_product_equals_dense_hessian_times_v(tiny_hessian: tuple
     assert dense.shape == (32, 32)  # 2 layers x 1 token x (keys + values) x width 8
     vector = torch.randn(32, generator=torch.Generator().manual_seed(1))
     assert torch.allclose(matvec(vector), dense @ vector, atol=1e-5)
+    vectors = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))  # batched: one product per row
+    assert torch.allclose(matvec(vectors), vectors @ dense, atol=1e-5)
     assert gradient.shape == (32,)
 
 
@@ -146,21 +153,83 @@ def test_lanczos_and_eigsh_recover_the_dense_spectrum(tiny_hessian: tuple) -> No
 
 def test_eigengap_ratio_is_algorithm_1_on_an_exact_spectrum() -> None:
     eigenvalues = np.array([0.0, 0.01, 0.02, 0.03, 0.5, 0.52, 3.0, 3.1])
-    weights = np.full(8, 1 / 8)
     # 4L = 0.4: the first gap above it is 0.03 -> 0.5, after k = 4 eigenvalues: r = (8 - 4) / 8
-    assert eigengap_ratio(eigenvalues, weights, lipschitz=0.1) == pytest.approx(0.5)
+    assert gap_ratio(eigenvalues, lipschitz=0.1) == pytest.approx(0.5)
     # 4L = 2: first gap above it is 0.52 -> 3.0 (k = 6): r = 2 / 8
-    assert eigengap_ratio(eigenvalues, weights, lipschitz=0.5) == pytest.approx(0.25)
-    assert eigengap_ratio(eigenvalues, weights, lipschitz=10.0) == 1.0  # no split: keep everything
-    # an SLQ density of K = 10: 7 eigenvalues spread over [-.5, .5], 2 over [.5, 1.5], 1 at 5
+    assert gap_ratio(eigenvalues[::-1], lipschitz=0.5) == pytest.approx(0.25)  # order does not matter
+    assert gap_ratio(eigenvalues, lipschitz=10.0) == 1.0  # no split: keep everything
+    # an SLQ density of K = 10: cells [-.5, .5], [.5, 3], [3, 7] hold 7, 2 and 1 eigenvalues
     nodes, mass = np.array([0.0, 1.0, 5.0]), np.array([0.7, 0.2, 0.1])
     spectrum = spectrum_from_density(nodes, mass, 10)
-    assert np.allclose(spectrum, [*(-0.5 + (np.arange(7) + 0.5) / 7), 0.75, 1.25, 5.0])
-    assert eigengap_ratio(nodes, mass, 0.5, dimension=10) == pytest.approx(0.1)  # the gap 1.25 -> 5 (k = 9)
-    assert eigengap_ratio(nodes, mass, 0.05, dimension=10) == pytest.approx(0.3)  # .43 -> .75 (k = 7)
+    assert np.allclose(spectrum, [*(-0.5 + (np.arange(7) + 0.5) / 7), 1.125, 2.375, 5.0])
+    assert eigengap_ratio(nodes, mass, 0.5, dimension=10) == pytest.approx(0.1)  # the gap 2.375 -> 5 (k = 9)
+    assert eigengap_ratio(nodes, mass, 0.05, dimension=10) == pytest.approx(0.3)  # .43 -> 1.125 (k = 7)
     # a bulk of 1000 eigenvalues behind 3 Ritz values has no gap wider than 4 L = 0.04 inside it
     assert eigengap_ratio(np.array([0.0, 0.1, 0.2, 3.0]), np.array([0.33, 0.33, 0.333, 0.007]), 0.01,
                           dimension=1000) == pytest.approx(0.007)
+
+
+def synthetic_operator(eigenvalues: np.ndarray, seed: int = 0) -> tuple:
+    """v -> Q diag(eigenvalues) Q^T v for a random orthogonal Q (float32 in and out, rows of a 2-D input
+    each multiplied, like an HVP)."""
+    size = len(eigenvalues)
+    q, _ = torch.linalg.qr(torch.randn(size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    dense = (q * torch.from_numpy(eigenvalues)) @ q.T
+    return lambda v: (v.to(torch.float64) @ dense).to(torch.float32)
+
+
+@pytest.mark.parametrize(("name", "eigenvalues", "exact_ratio"), [
+    ("no gap", np.linspace(0.0, 1.0, 300), 1.0),  # spacing 0.0033 < 4 L everywhere
+    ("gap", np.concatenate([np.linspace(0.0, 0.3, 200), np.linspace(0.8, 1.0, 100)]), 1 / 3),
+])
+def test_lanczos_ratio_converges_to_the_exact_one(name: str, eigenvalues: np.ndarray, exact_ratio: float) -> None:
+    lipschitz = 0.01
+    assert gap_ratio(eigenvalues, lipschitz) == pytest.approx(exact_ratio)
+    matvec = synthetic_operator(eigenvalues)
+
+    def ratio_of(spectrum: Spectrum) -> float:
+        return eigengap_ratio(spectrum.nodes, spectrum.weights, lipschitz, len(eigenvalues))
+
+    exact = prompt_spectrum(matvec, 300, ratio_of, 300, 4, 300, 1, 0.01, seed=0)
+    assert exact.exact and exact.converged and exact.steps == 300
+    assert np.allclose(np.sort(exact.nodes), eigenvalues, atol=1e-5)
+    # from 4 Lanczos steps, doubled until the ratio is stable; 4 steps alone put gaps into the gapless bulk
+    products: list[int] = []
+
+    def counted(vector: torch.Tensor) -> torch.Tensor:
+        products.append(1)
+        return matvec(vector)
+
+    approx = prompt_spectrum(counted, 300, ratio_of, 0, 4, 256, 1, 0.01, seed=0)
+    assert not approx.exact and approx.converged and approx.steps > 4
+    assert len(products) == approx.steps  # each doubling extends the same run instead of restarting it
+    assert ratio_of(approx) == pytest.approx(exact_ratio, abs=0.04), name
+    if name == "no gap":
+        assert ratio_of(approx) == 1.0  # no spurious gap
+
+
+def test_exact_spectrum_of_a_real_prompt_hessian(tiny_hessian: tuple) -> None:
+    model, params, batch, dense = tiny_hessian
+    exact = torch.linalg.eigvalsh(dense.double()).numpy()
+    _, matvec = hessian_vector_product(model(**batch).loss, params)
+    lipschitz = float(np.diff(exact).max()) / 8  # 4 L sits below the widest gap: Alg. 1 finds a split
+    expected = gap_ratio(exact, lipschitz)
+    assert expected < 1.0
+
+    def ratio_of(spectrum: Spectrum) -> float:
+        if spectrum.exact:
+            return gap_ratio(spectrum.nodes, lipschitz)
+        return eigengap_ratio(spectrum.nodes, spectrum.weights, lipschitz, 32)
+
+    built = prompt_spectrum(matvec, 32, ratio_of, 32, 8, 32, 1, 0.0, seed=0)
+    scale = max(1.0, float(np.abs(exact).max()))
+    assert built.exact and np.allclose(built.nodes, exact, atol=1e-4 * scale)
+    assert ratio_of(built) == pytest.approx(expected)
+    lanczos_path = prompt_spectrum(matvec, 32, ratio_of, 0, 8, 32, 1, 0.0, seed=0)
+    assert lanczos_path.converged and not lanczos_path.exact
+    assert ratio_of(lanczos_path) == pytest.approx(expected)
+    assert lanczos_path.nodes.min() == pytest.approx(exact.min(), abs=1e-4 * scale)
+    assert lanczos_path.nodes.max() == pytest.approx(exact.max(), abs=1e-4 * scale)
 
 
 def test_secant_lipschitz_of_a_quadratic_is_zero_and_of_a_cubic_is_not() -> None:
@@ -254,7 +323,8 @@ def fedpeptao_raw(train: Path, eval_: Path, run_dir: Path, rounds: int, **strate
 
 def test_only_selected_layers_cross_the_wire_after_selection(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
     train, eval_ = toy_files
-    exp = prepare(build_config(fedpeptao_raw(train, eval_, tmp_path / "run", 4, fixed_ratio=0.3)))
+    exp = prepare(build_config(fedpeptao_raw(train, eval_, tmp_path / "run", 4, fixed_ratio=0.3,
+                                             personalized_eval=True)))
     engine = LocalEngine(exp, tmp_path / "run")
     records = engine.run()
     algorithm = exp.algorithm
@@ -276,6 +346,16 @@ def test_only_selected_layers_cross_the_wire_after_selection(toy_files: tuple[Pa
         seen |= set(record["clients"])
         assert record["method"]["exchanged_layers"] == algorithm.selected
     assert partial < full
+    # personalised evaluation: every sampled device that already held a prompt, beside the global eval
+    joined: set[int] = set()
+    for record in records:
+        returning = sorted(str(c) for c in record["clients"] if c in joined)
+        assert sorted(record["method"].get("personalized_eval", {})) == returning
+        if returning:
+            accuracies = [m["accuracy"] for m in record["method"]["personalized_eval"].values()]
+            assert record["method"]["personalized_mean"]["accuracy"] == pytest.approx(np.mean(accuracies))
+        joined |= set(record["clients"])
+    assert any("personalized_eval" in r["method"] for r in records)
     # layers that are not exchanged stay on the devices and differ between them
     left = next(k for k in layers if k not in chosen)
     owners = [c for c in algorithm.client_prompts if c in seen]
@@ -292,25 +372,54 @@ def test_hessian_probe_selects_layers_and_resume_is_bit_identical(toy_files: tup
     assert "ratio" in first and 0.0 < first["ratio"] <= 1.0
     assert len(first["global_scores"]) == 3 and first["selected_layers"]
     exp = full_engine.exp  # round t's replies carry the layer scores and the ratio probe inside the message
-    sent = {**exp.initial_state, LAYER_SCORES_KEY: torch.zeros(3), RATIO_PROBE_KEY: torch.zeros(4)}
+    sent = {**exp.initial_state, LAYER_SCORES_KEY: torch.zeros(3), RATIO_PROBE_KEY: torch.zeros(7)}
     assert full_records[0]["bytes_up"] == [len(exp.up_codec.encode(sent))] * 2
+    # the selection round records every client's Hessian test: a reader can redo Alg. 1's arithmetic
+    probes = first["ratio_probes"]
+    assert [p["client"] for p in probes] == full_records[0]["clients"]
+    assert set(RATIO_PROBE_FIELDS) <= set(probes[0])
+    assert all(p["exact"] == 1.0 and p["converged"] == 1.0 for p in probes)  # 384 prompt parameters: eigvalsh
+    assert first["lambda_min"] == min(p["lambda_min"] for p in probes) <= first["lambda_max"]
+    weights = full_records[0]["num_samples"]
+    assert first["ratio"] == pytest.approx(sum(p["ratio"] * n for p, n in zip(probes, weights)) / sum(weights))
+    assert "ratio_probes" not in full_records[1]["method"]
 
-    part = fedpeptao_raw(train, eval_, tmp_path / "part", 2)
-    LocalEngine(prepare(build_config(part)), tmp_path / "part").run()
+    # a run that stops after round 2's checkpoint *and* after round 3 wrote its clients' files (but
+    # before round 3's checkpoint) resumes from round 2 reading exactly round 2's files
+    part_dir = tmp_path / "part"
+    part = fedpeptao_raw(train, eval_, part_dir, 2)
+    LocalEngine(prepare(build_config(part)), part_dir).run()
+    round_two = (part_dir / CHECKPOINT).read_bytes()
+    part["rounds"] = 3
+    LocalEngine(prepare(build_config(part)), part_dir).run(resume=True)
+    (part_dir / CHECKPOINT).write_bytes(round_two)  # round 3's checkpoint never happened
     part["rounds"] = 4
-    resumed_engine = LocalEngine(prepare(build_config(part)), tmp_path / "part")
+    resumed_engine = LocalEngine(prepare(build_config(part)), part_dir)
     resumed_engine.run(resume=True)
 
     def strip(records: list[dict]) -> list[dict]:
         volatile = ("time", "cum_wall_seconds", "client_seconds")
         return [{k: v for k, v in r.items() if k not in volatile} for r in records]
 
-    assert strip(load_metrics(tmp_path / "part")) == strip(full_records)
+    assert strip(load_metrics(part_dir)) == strip(full_records)
     for key, value in full_engine.final_state.items():
         assert torch.equal(value, resumed_engine.final_state[key]), key
-    for client, prompts in full_engine.exp.algorithm.client_prompts.items():
+    full_algorithm, resumed = full_engine.exp.algorithm, resumed_engine.exp.algorithm
+    assert list(full_algorithm.client_prompts) == list(resumed.client_prompts)
+    for client, prompts in full_algorithm.client_prompts.items():
         for key, value in prompts.items():
-            assert torch.equal(value, resumed_engine.exp.algorithm.client_prompts[client][key])
+            assert torch.equal(value, resumed.client_prompts[client][key])
+    for client, controls in full_algorithm.server.client_controls.items():
+        for key, value in controls.items():
+            assert torch.equal(value, resumed.server.client_controls[client][key])
+    # per-client state lives in files per client (the current version and the last checkpoint's), not in
+    # the checkpoint
+    prompt_files = [p.name for p in (part_dir / "client_state" / "prompts").iterdir()]
+    assert {name.split(".")[0] for name in prompt_files} == {str(c) for c in resumed.client_prompts}
+    assert len(prompt_files) <= 2 * len(resumed.client_prompts)
+    saved = torch.load(part_dir / CHECKPOINT, weights_only=False)["algorithm"]["fedpeptao"]
+    assert set(saved["client_prompts"]) == {"index"}
+    assert set(saved["server"]["client_controls"]) == {"index"}
 
 
 def test_bad_fedpeptao_config_names_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -327,9 +436,25 @@ def test_fedpeptao_learns_the_toy_task(toy_files: tuple[Path, Path], tmp_path: P
     train, eval_ = toy_files
     raw = learning_config(train, eval_, tmp_path / "run", "fedpeptao")
     raw["client"]["optimizer"] = "adam"
-    raw["strategy"].update(selection_round=2, lanczos_iterations=8, score_batch_size=4, hessian_batch_size=4)
+    raw["strategy"].update(selection_round=2, lanczos_iterations=8, score_batch_size=4, hessian_batch_size=4,
+                           exact_max_dimension=0)  # the Lanczos path (the probe test above takes the exact one)
     records = learnable_experiment(raw).run()
     accuracies = [r["eval"]["accuracy"] for r in records]
     assert records[-1]["train_loss"] < 0.6 * records[0]["train_loss"]
     assert accuracies[-1] >= 0.75, accuracies
     assert records[-1]["method"]["selected_layers"]
+
+
+def test_fedpeptao_benchmark_file_validates() -> None:
+    """benchmarks/fedpeptao.yaml expands, every FedPepTAO-algorithm run's options validate, and the server
+    lr is tuned on the same budget as the client lr."""
+    sweep = load_sweep(Path(__file__).resolve().parents[1] / "benchmarks" / "fedpeptao.yaml")
+    assert sweep.is_benchmark and len(sweep.spec.seeds) >= 3
+    assert sweep.spec.tune is not None and set(sweep.spec.tune.space or {}) == {"client.lr", "strategy.server_lr"}
+    for run in sweep.runs:
+        cfg = build_config(run.raw)
+        if cfg.method in ("fedpeptao", "moms_adamd"):
+            parse_options(cfg)
+    prompt_lengths = {build_config(r.raw).adapter.num_virtual_tokens for r in sweep.runs if r.method.startswith("ptv2")}
+    assert prompt_lengths == {20, 128}
+    assert {c.id for c in sweep.spec.claims} >= {"accuracy", "bytes", "time"}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from fedpeft.config import ConfigError, build_config
 from fedpeft.engines.local import LocalEngine
@@ -14,22 +16,27 @@ from fedpeft.federated.codec import CodecError, build_codec
 from fedpeft.federated.types import ClientResult, ClientTask
 from fedpeft.methods.headprune import (
     HEAD_SCORES_KEY,
+    HeadPruneOptions,
     ZeroSliceCodec,
     head_weighted_delta,
     heads_to_keep,
     zero_pruned_slices,
 )
+from fedpeft.metrics.flops import attention_block_flops
 from fedpeft.models.backbone import load_backbone
 from fedpeft.models.encoding import EncodedData, training_batch
 from fedpeft.models.heads import (
     HeadOwnership,
+    eager_attention,
     end_token_ids,
     find_head_sites,
     head_confidence,
     head_importance,
     masked_heads,
+    projection_in_features,
     pruned_heads,
 )
+from fedpeft.sweep import load_sweep
 from tests.conftest import tiny_raw_config
 
 
@@ -142,6 +149,117 @@ def test_flops_fall_as_sparsity_rises(toy_files: tuple[Path, Path], tmp_path: Pa
     assert flops[0] > flops[1] > flops[2] > 0, flops
 
 
+def plain_model(toy_files: tuple[Path, Path], tmp_path: Path, arch: str):
+    """The tiny backbone without adapters, in eval mode, every parameter frozen."""
+    train, eval_ = toy_files
+    cfg = build_config(tiny_raw_config(train, eval_, tmp_path / "plain", method="headprune",
+                                       model={"name": f"tiny-{arch}"}))
+    task, _ = load_data(cfg)
+    model = load_backbone(cfg.model, task, cfg.seed).model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["bert", "t5"])
+def test_analytic_attention_flops_match_flop_counter(toy_files: tuple[Path, Path], tmp_path: Path, arch: str,
+                                                     single_torch_thread: None) -> None:
+    model = plain_model(toy_files, tmp_path, arch)
+    sites = find_head_sites(model)
+    site = sites[0]
+    # BERT's output projection lives in the parent (BertAttention = self-attention + output); T5's in the block
+    block = model.get_submodule(site.name.rsplit(".", 1)[0] if arch == "bert" else site.name)
+    hidden = projection_in_features(model, site)
+    tokens = 7
+    for heads in ([0, 1, 2, 3], [1, 3], []):
+        kept = [list(range(site.num_heads))] * len(sites)
+        kept[0] = heads
+        states = torch.randn(2, tokens, hidden, requires_grad=True)
+        # eager attention: fused kernels recompute the scores in their backward (one product more)
+        with eager_attention(model), pruned_heads(model, sites, kept):
+            with FlopCounterMode(display=False) as forward:
+                output = block(states)[0]
+            with FlopCounterMode(display=False) as backward:
+                if output.requires_grad:  # T5 without heads: o(nothing) = 0, no graph to the input
+                    output.sum().backward()
+        expected = [2 * attention_block_flops(tokens, hidden, len(heads), site.head_dim, backward=b)
+                    for b in (False, True)]
+        assert [forward.get_total_flops(), backward.get_total_flops()] == expected, heads
+
+
+@pytest.mark.parametrize("arch", ["bert", "t5"])
+def test_block_without_heads_is_its_residual(toy_files: tuple[Path, Path], tmp_path: Path, arch: str,
+                                             single_torch_thread: None) -> None:
+    """min_heads_per_layer 0: an emptied block's attention output is zero (plus the output bias), and
+    the residual carries the input through, forward and backward."""
+    model = plain_model(toy_files, tmp_path, arch)
+    sites = find_head_sites(model)
+    states = torch.randn(2, 5, projection_in_features(model, sites[0]), requires_grad=True)
+    with pruned_heads(model, sites, [[]] * len(sites)):
+        if arch == "bert":
+            attention = model.get_submodule(sites[0].name.rsplit(".", 1)[0])
+            output = attention(states)[0]
+            expected = attention.output.LayerNorm(states + attention.output.dense.bias)
+        else:
+            layer = model.get_submodule(sites[0].name.rsplit(".", 1)[0])  # T5LayerSelfAttention: x + attn(norm(x))
+            output = layer(states)[0]
+            expected = states
+        output.sum().backward()
+    torch.testing.assert_close(output, expected)
+    assert states.grad is not None and bool(torch.isfinite(states.grad).all()) and states.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["bert", "t5"])
+def test_emptied_blocks_train_and_warn(toy_files: tuple[Path, Path], tmp_path: Path, arch: str,
+                                       caplog: pytest.LogCaptureFixture, single_torch_thread: None) -> None:
+    """At 90% over the model (tiny BERT: 1 of 8 heads left, tiny T5: 2 of 24) Eq. 7 empties whole
+    blocks; clients still train through them, and the server warns once per emptied block."""
+    exp = tiny_experiment(toy_files, tmp_path, arch, client={"local_steps": 2},
+                          strategy={"clients_per_round": 2, "head_sparsity": 0.9, "importance_batches": 1})
+    algorithm = exp.algorithm
+    assert algorithm.options.min_heads_per_layer == 0  # the paper's default
+    blocks = len(algorithm.sites)
+    results, emptied = [], {}
+    for client in (0, 1):
+        task = ClientTask(client_id=client, payload=exp.initial_state)
+        result, _ = algorithm.client_update(exp.slot, exp.train_data, exp.shards[client], task, client, False)
+        kept = (result.update[HEAD_SCORES_KEY] != 0)
+        assert result.train_loss == result.train_loss  # not NaN
+        assert result.metrics["empty_blocks"] == float((~kept.any(dim=1)).sum()) >= blocks - int(kept.sum())
+        for block in torch.nonzero(~kept.any(dim=1)).flatten().tolist():
+            emptied.setdefault(str(block), []).append(client)
+        assert any(bool(v.abs().sum() > 0) for k, v in result.update.items() if k in algorithm.ownership)
+        results.append(result)
+    with caplog.at_level(logging.WARNING, logger="fedpeft.methods.headprune"):
+        algorithm.aggregate(1, exp.initial_state, results)
+    assert emptied and len(caplog.records) == len(emptied)  # once per block, not once per client
+    assert algorithm.round_metrics(1, exp.initial_state)["emptied_blocks"] == emptied
+
+
+def test_importance_timing_before_and_after(toy_files: tuple[Path, Path], tmp_path: Path,
+                                            single_torch_thread: None) -> None:
+    exp = tiny_experiment(toy_files, tmp_path, client={"local_steps": 3, "lr": 0.05},
+                          strategy={"clients_per_round": 2, "head_sparsity": 0.5})
+    algorithm, sites, ends = exp.algorithm, exp.algorithm.sites, exp.algorithm.end_ids
+    batches = algorithm._importance_batches(exp.train_data, exp.shards[0], 0)
+    task = ClientTask(client_id=0, payload=exp.initial_state)
+    sent, flops = {}, {}
+    for timing in ("before", "after"):
+        algorithm.options = algorithm.options.model_copy(update={"importance_timing": timing})
+        result, stats = algorithm.client_update(exp.slot, exp.train_data, exp.shards[0], task, 3, True)
+        if timing == "after":  # the slot still holds the client's trained model: its scores are the ones sent
+            expected = head_importance(exp.slot.model, sites, batches, ends)
+        else:
+            exp.slot.load(exp.initial_state)
+            expected = head_importance(exp.slot.model, sites, batches, ends)
+        kept = heads_to_keep(expected, algorithm.shape, 0.5)
+        torch.testing.assert_close(result.update[HEAD_SCORES_KEY], expected * kept)
+        sent[timing] = result.update[HEAD_SCORES_KEY]
+        flops[timing] = stats.flops_per_step
+        assert result.metrics["round_flops"] == stats.flops_per_step * stats.steps + result.metrics["importance_flops"]
+    assert not torch.allclose(sent["before"], sent["after"])
+    assert flops["after"] > flops["before"]  # scoring after training cannot prune the training
+
+
 # -- sparse upload and Eq. 8 ---------------------------------------------------------------------
 
 
@@ -206,6 +324,9 @@ def test_headprune_learns_and_uploads_only_kept_heads(toy_files: tuple[Path, Pat
     assert records[-1]["train_loss"] < records[0]["train_loss"]
     assert max(r["eval"]["accuracy"] for r in records[-3:]) >= 0.7  # chance is 0.5
     assert all(r["method"]["kept_heads"] == [4, 4] for r in records)
+    first = records[0]["method"]  # round 1 counts FLOPs: 10 steps (2 epochs of 40 / 8) plus the importance pass
+    assert first["client_flops_per_round"] == 10 * records[0]["client_flops_per_step"] + first["importance_flops"]
+    assert first["attention_flops_per_example"][0] < first["attention_flops_dense_per_example"]
     # loss-gap selection gives every client a turn before anyone goes twice
     assert sorted(records[0]["clients"] + records[1]["clients"]) == [0, 1, 2, 3]
 
@@ -285,3 +406,16 @@ def test_svd_init_keeps_every_kept_head_exact(toy_files: tuple[Path, Path], tmp_
         got = svd_model(**batch).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     LocalEngine(exp, tmp_path / "run").run()  # and a round of the recipe runs with it
+
+
+def test_headprune_benchmark_file_validates() -> None:
+    """benchmarks/headprune.yaml expands and every run's head-pruning options validate (a sweep of hours
+    must not die at its 30th run on a misspelt option)."""
+    sweep = load_sweep(Path(__file__).resolve().parents[1] / "benchmarks" / "headprune.yaml")
+    assert sweep.is_benchmark and len(sweep.spec.seeds) >= 3 and sweep.spec.tune is not None
+    assert {run.task for run in sweep.runs} == {"mnli", "20newsgroups"}
+    for run in sweep.runs:
+        options = HeadPruneOptions.from_strategy(build_config(run.raw).strategy)
+        if run.method.startswith("ours"):
+            assert (options.head_sparsity, options.min_heads_per_layer) == (0.9, 0)
+    assert {c.id for c in sweep.spec.claims} >= {"uplink", "accuracy", "flops"}

@@ -6,7 +6,8 @@ A claim's ``check`` is an expression over the methods of one task/partition cell
 / ``METHOD["TASK", "PARTITION"].QUANTITY`` to reach another cell (``federa["iid"].final -
 federa["dirichlet0.1"].final``). Quantities: ``final``, ``best`` (the metric), ``uplink``,
 ``downlink`` (bytes per client and round), ``total_bytes``, ``params``, ``flops`` (client FLOPs per
-step), ``rounds_to_target``, ``bytes_to_target``, ``time_to_target`` (simulated seconds), ``wall``,
+step), ``round_flops`` (per client round, where the method counts one: head pruning's importance pass),
+``rounds_to_target``, ``bytes_to_target``, ``time_to_target`` (simulated seconds), ``wall``,
 or any other numeric field of a result row.
 
 Every quantity is an interval (the 95% interval over seeds for the metric, see
@@ -35,6 +36,7 @@ CEILING_FRACTION = 0.9
 QUANTITIES = {
     "final": "final_metric", "best": "best_metric", "uplink": "uplink_bytes_per_client_round",
     "downlink": "downlink_bytes_per_client_round", "params": "trainable_params", "flops": "client_flops_per_step",
+    "round_flops": "client_flops_per_round",
     "time_to_target": "seconds_to_target", "wall": "wall_seconds",
 }
 

@@ -95,6 +95,7 @@ class RoundEngine:
         self.exp = exp
         self.transport = transport
         self.recorder = Recorder(run_dir)
+        exp.algorithm.attach_run_dir(run_dir)
         self.console = console or Console()
         self.flops_per_step: int | None = None
         self.checkpoint_seconds = 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -65,6 +66,9 @@ class Algorithm:
         if private and not self.server_dp:
             raise ConfigError("strategy.dp_clip_norm", f"method {cfg.method!r} aggregates with its own rule, which "
                               "the server's DP clipping and noise never reach; set it to 0")
+
+    def attach_run_dir(self, run_dir: Path) -> None:
+        """The run's directory, where a method may keep per-client state on disk (nothing by default)."""
 
     def initial_state(self, state: State) -> State:
         """The global state before round 1 (the adapter's initialisation by default)."""

@@ -30,20 +30,34 @@ so after a single local step from ``B = 0`` its update is exactly zero).
 
 Choices where the paper is silent (config options where reasonable people differ):
 
-- Importance is measured once per round, *before* local training, on the received global model
-  (pruning must be decided before training to save its compute); the same scores weight Eq. 8.
-  Algorithm 1 lists "compute importance" after training; measuring twice would cost a second pass.
+- ``importance_timing`` (default ``before``): importance is measured once per round, *before*
+  local training, on the received global model, so that pruning can save the training's compute;
+  the same scores weight Eq. 8. Algorithm 1 lists "compute importance" *after* local training;
+  ``after`` follows that order literally: the client trains every head, scores its trained model,
+  and Eq. 7 then prunes only what it uploads (no training compute saved). ``before`` is the default
+  because the paper's own figures need it: Sec. 3.1 prunes "to increase the efficiency of the local
+  training", and Table 1's OPs (8.47G at 90% vs 33.07G) are those of training a pruned model, which
+  scoring after training cannot give.
+- Eq. 7 may leave an attention block with no head (``min_heads_per_layer: 0``, the paper's rule:
+  the threshold is global). Such a block adds only its output projection's bias to the residual;
+  the server logs a warning per block and round and records it under ``emptied_blocks``.
+- FLOPs: the round's ``client_flops_per_round`` (``FlopCounterMode``: the first step's count times
+  the steps, plus the importance pass over the shard) sits beside the engine's per-step figure;
+  ``attention_flops_per_example`` is the analytic count of the attention blocks alone (forward and
+  backward at ``task.max_length``, :func:`fedpeft.metrics.flops.attention_block_flops`), the
+  accounting of the paper's OPs column, for a like-for-like look at its 3.9x.
 - Eq. 6 writes ``max(q . k)``; following the cited Voita et al. (2019) the score is the maximum
   *softmax* attention weight, averaged over query tokens, then over examples.
 - Padding is never a query or a key; end-of-sequence / separator tokens are excluded as both by
   default (``importance_exclude``: ``both | keys | queries | none``).
 - The sparsity is a count: ``round(sparsity * heads)`` heads are pruned (fewer if
-  ``min_heads_per_layer`` forbids); ties in importance go to the lower head index.
+  ``min_heads_per_layer`` forbids; 0 by default, as in the paper); ties in importance go to the lower head index.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -62,6 +76,7 @@ from fedpeft.federated.client import ModelSlot, TrainStats, train_client
 from fedpeft.federated.codec import Codec, CodecError, _load, check_dtype, read_metadata, register_codec
 from fedpeft.federated.strategy.robust import clipped_if_robust
 from fedpeft.federated.types import ClientResult, ClientTask, State
+from fedpeft.metrics.flops import attention_block_flops
 from fedpeft.models.encoding import EncodedData, training_batch
 from fedpeft.models.heads import (
     HeadOwnership,
@@ -69,9 +84,12 @@ from fedpeft.models.heads import (
     find_head_sites,
     head_importance,
     head_ownership,
+    projection_in_features,
     pruned_heads,
 )
 from fedpeft.seeding import derive_seed
+
+logger = logging.getLogger(__name__)
 
 HEAD_SCORES_KEY = "headprune.scores"
 """Update key of a client's Eq. 7 scores, shape (attention blocks, heads); 0 marks a pruned head.
@@ -86,7 +104,8 @@ class HeadPruneOptions(BaseModel):
     head_pruning: Literal["importance", "random", "none"] = "importance"
     head_sparsity: float = Field(0.9, ge=0.0, le=1.0)
     pruning_scope: Literal["global", "per_layer"] = "global"
-    min_heads_per_layer: int = Field(1, ge=0)
+    min_heads_per_layer: int = Field(0, ge=0)
+    importance_timing: Literal["before", "after"] = "before"
     head_aggregation: Literal["importance", "samples"] = "importance"
     aggregation_eps: float = Field(1e-8, gt=0.0)
     importance_batches: int | None = Field(None, gt=0)
@@ -120,7 +139,7 @@ class HeadPruneOptions(BaseModel):
 
 
 def heads_to_keep(scores: torch.Tensor | None, shape: tuple[int, int], sparsity: float,
-                  scope: Literal["global", "per_layer"] = "global", min_per_layer: int = 1,
+                  scope: Literal["global", "per_layer"] = "global", min_per_layer: int = 0,
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Boolean ``(blocks, heads)`` mask of the heads kept at ``sparsity``.
 
@@ -223,6 +242,7 @@ class HeadPruning(Algorithm):
         trainable = set(ctx.slot.trainable)
         self.ownership = {k: v for k, v in head_ownership(model, self.sites).items() if k in trainable}
         self.end_ids = end_token_ids(ctx.backbone.tokenizer)
+        self.widths = [projection_in_features(model, site) for site in self.sites]
         self._round: dict[str, Any] = {}
 
     # -- client side --------------------------------------------------------------------------
@@ -238,39 +258,58 @@ class HeadPruning(Algorithm):
             positions = sorted(positions[i] for i in order[: limit * size].tolist())
         return [training_batch(data, positions[i : i + size]) for i in range(0, len(positions), size)]
 
+    def _measure_importance(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, seed: int,
+                            count_flops: bool) -> tuple[torch.Tensor, float, int | None]:
+        """Eq. 6 on the model now in ``slot``: (scores, seconds, FLOPs of the pass when counted)."""
+        t0 = time.perf_counter()
+        batches = self._importance_batches(data, shard, derive_seed(seed, "headprune.importance"))
+        counter = FlopCounterMode(display=False) if count_flops else None
+        with counter if counter is not None else nullcontext():
+            scores = head_importance(slot.model, self.sites, batches, self.end_ids, self.options.importance_exclude)
+        flops = int(counter.get_total_flops()) if counter is not None else None
+        return scores, time.perf_counter() - t0, flops
+
+    def _kept(self, scores: torch.Tensor | None, seed: int) -> torch.Tensor:
+        """Eq. 7's mask of kept heads (all of them without pruning)."""
+        opts = self.options
+        if opts.head_pruning == "none":
+            return torch.ones(self.shape, dtype=torch.bool)
+        generator = torch.Generator().manual_seed(derive_seed(seed, "headprune.random"))
+        return heads_to_keep(scores if opts.head_pruning == "importance" else None, self.shape,
+                             opts.head_sparsity, opts.pruning_scope, opts.min_heads_per_layer, generator)
+
     def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
+        """Score, prune, train (``importance_timing: before``) or train, score, prune the upload (``after``)."""
         opts = self.options
-        t0 = time.perf_counter()
-        slot.load(task.payload)
         scores: torch.Tensor | None = None
-        importance_flops: int | None = None
-        if opts.measures_importance:
-            batches = self._importance_batches(data, shard, derive_seed(seed, "headprune.importance"))
-            counter = FlopCounterMode(display=False) if count_flops else None
-            with counter if counter is not None else nullcontext():
-                scores = head_importance(slot.model, self.sites, batches, self.end_ids, opts.importance_exclude)
-            if counter is not None:
-                importance_flops = int(counter.get_total_flops())
-        importance_seconds = time.perf_counter() - t0
-
-        if opts.head_pruning == "none":
-            kept = torch.ones(self.shape, dtype=torch.bool)
-        else:
-            generator = torch.Generator().manual_seed(derive_seed(seed, "headprune.random"))
-            kept = heads_to_keep(scores if opts.head_pruning == "importance" else None, self.shape,
-                                 opts.head_sparsity, opts.pruning_scope, opts.min_heads_per_layer, generator)
-        kept_lists = [torch.nonzero(row).flatten().tolist() for row in kept]
-        with pruned_heads(slot.model, self.sites, kept_lists):
+        importance_seconds, importance_flops = 0.0, None
+        before = opts.importance_timing == "before"
+        if before:
+            t0 = time.perf_counter()
+            slot.load(task.payload)
+            if opts.measures_importance:
+                scores, _, importance_flops = self._measure_importance(slot, data, shard, seed, count_flops)
+            importance_seconds = time.perf_counter() - t0
+        kept = self._kept(scores, seed) if before else torch.ones(self.shape, dtype=torch.bool)
+        with pruned_heads(slot.model, self.sites, [torch.nonzero(row).flatten().tolist() for row in kept]):
             result, stats = train_client(slot, data, shard, task, self.cfg.client, seed, count_flops)
+        if not before:  # Alg. 1's order: the locally trained model (every head) is scored, then pruned
+            if opts.measures_importance:
+                scores, importance_seconds, importance_flops = self._measure_importance(slot, data, shard, seed,
+                                                                                        count_flops)
+            kept = self._kept(scores, seed)
 
         result.update = zero_pruned_slices(result.update, self.ownership, kept.flatten())
         if opts.sends_scores:  # Eq. 7: pruned heads score 0
             result.update[HEAD_SCORES_KEY] = scores * kept if scores is not None else kept.float()
         result.metrics["kept_heads"] = float(kept.sum())
+        result.metrics["empty_blocks"] = float((~kept.any(dim=1)).sum())
         result.metrics["importance_seconds"] = importance_seconds
         if importance_flops is not None:
             result.metrics["importance_flops"] = float(importance_flops)
+        if stats.flops_per_step is not None:  # the round's training (steps x the first step's count) + scoring
+            result.metrics["round_flops"] = float(stats.flops_per_step * stats.steps + (importance_flops or 0))
         stats.total_seconds += importance_seconds
         return result, stats
 
@@ -296,13 +335,23 @@ class HeadPruning(Algorithm):
         delta = head_weighted_delta(updates, head_weights, [float(r.num_samples) for r in results],
                                     self.ownership, self.options.aggregation_eps)
         self._round = self._describe(results, scores)
+        for block, clients in self._round["emptied_blocks"].items():  # one warning per block and round
+            logger.warning("round %d: attention block %s (%s) lost every head at client(s) %s", round_idx, block,
+                           self.sites[int(block)].name, clients)
         return self.strategy.step(global_state, delta)
 
     def _describe(self, results: Sequence[ClientResult], scores: Sequence[torch.Tensor]) -> dict[str, Any]:
         kept = torch.stack([s != 0 for s in scores]) if scores else torch.zeros((0, *self.shape), dtype=torch.bool)
         total = self.shape[0] * self.shape[1]
+        emptied: dict[str, list[int]] = {}
+        for result, client_kept in zip(results, kept):
+            for block in torch.nonzero(~client_kept.any(dim=1)).flatten().tolist():
+                emptied.setdefault(str(block), []).append(int(result.client_id))
         info: dict[str, Any] = {
             "kept_heads": [int(k.sum()) for k in kept],
+            "emptied_blocks": emptied,
+            "attention_flops_per_example": [self.attention_flops(k) for k in kept],
+            "attention_flops_dense_per_example": self.attention_flops(torch.ones(self.shape, dtype=torch.bool)),
             "head_sparsity": 1.0 - float(kept.float().mean()) if len(kept) else 0.0,
             "heads_updated": int(kept.any(dim=0).sum()) if len(kept) else 0,
             "heads_total": total,
@@ -312,10 +361,20 @@ class HeadPruning(Algorithm):
             # mean pairwise Euclidean distance of the clients' scores as the server gets them (Eq. 7:
             # pruned heads 0), the quantity of the paper's Fig. 5b
             info["importance_distance"] = float(torch.pdist(flat).mean())
-        flops = [r.metrics["importance_flops"] for r in results if "importance_flops" in r.metrics]
-        if flops:
-            info["importance_flops"] = flops[0]
+        for key, name in (("importance_flops", "importance_flops"), ("round_flops", "client_flops_per_round")):
+            measured = [r.metrics[key] for r in results if key in r.metrics]
+            if measured:  # the client that counted (engine.measure_flops), beside client_flops_per_step
+                info[name] = measured[0]
         return info
+
+    def attention_flops(self, kept: torch.Tensor) -> int:
+        """Analytic forward + backward FLOPs of every attention block for one example at
+        ``task.max_length`` tokens with the ``kept`` heads (papers/003 App. A's accounting of the
+        attention block, like for like with its OPs column; frozen projections, LoRA not counted)."""
+        tokens = self.cfg.task.max_length
+        return sum(attention_block_flops(tokens, hidden, int(heads), site.head_dim, backward=backward)
+                   for site, hidden, heads in zip(self.sites, self.widths, kept.sum(dim=1).tolist())
+                   for backward in (False, True))
 
     def round_metrics(self, round_idx: int, global_state: State) -> dict[str, Any]:
         return dict(self._round)

@@ -160,6 +160,9 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
         "seconds_to_target": time_at[reached[0]["round"]] if reached else None,
         "time_kind": time_kind,
         "client_flops_per_step": last.get("client_flops_per_step"),
+        # a method that counts a whole client round (head pruning: training + importance pass)
+        "client_flops_per_round": next((r["method"]["client_flops_per_round"] for r in reversed(run.records)
+                                        if "client_flops_per_round" in r.get("method", {})), None),
         "wall_seconds": last.get("cum_wall_seconds", sum(r["time"]["round"] for r in trained)),
     }
     for key, value in (("best_metric", best), ("final_metric", final)):
@@ -217,7 +220,8 @@ def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 interval = estimate(values, None, fraction=False)
             merged[f"{key}_ci"] = [interval.low, interval.high]
-        for key in ("trainable_params", "client_flops_per_step", "target", "rounds", "clients", "clients_per_round"):
+        for key in ("trainable_params", "client_flops_per_step", "client_flops_per_round", "target",
+                    "rounds", "clients", "clients_per_round"):
             merged[key] = members[0].get(key)
         out.append(merged)
     return out

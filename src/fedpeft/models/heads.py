@@ -86,6 +86,11 @@ def _linear_out_in(module: nn.Module) -> tuple[int, int]:
     raise ConfigError("strategy.head_pruning", f"cannot slice a {type(base).__name__}; heads need Linear/Conv1D")
 
 
+def projection_in_features(model: nn.Module, site: HeadSite) -> int:
+    """The model width a site's query projection reads (``d_model``; T5's inner width may differ)."""
+    return _linear_out_in(model.get_submodule(site.in_projections[0]))[1]
+
+
 def _stream(name: str, cross: bool, encoder_decoder: bool) -> tuple[Stream, Stream]:
     if cross:
         return ("decoder", "input")

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fedpeft.federated.client_store import ClientStateStore
 from fedpeft.federated.types import State
 
 
@@ -73,7 +74,7 @@ class AdaptiveServer:
 
     options: AdaptiveServerOptions
     global_control: State = field(default_factory=dict)
-    client_controls: dict[int, State] = field(default_factory=dict)
+    client_controls: ClientStateStore = field(default_factory=lambda: ClientStateStore("controls"))
     momentum: State = field(default_factory=dict)
     previous_delta: State = field(default_factory=dict)
     rounds_done: int = 0
@@ -92,6 +93,9 @@ class AdaptiveServer:
         fraction = len(replies) / o.num_devices
         released = o.variant == "released"
         lr = self.learning_rate(round_idx)
+        # this round's devices' control variates c_i^{r-1} (read once; written back after the round)
+        stored = {r.client_id: (self.client_controls.get(r.client_id) or {}) if o.control_variates else {}
+                  for r in replies}
         for key in keys:
             senders = [(r, w) for r, w in zip(replies, weights) if key in r.delta]
             sender_weights = [w for _, w in senders]
@@ -103,13 +107,13 @@ class AdaptiveServer:
             if o.control_variates:
                 changes = []
                 for reply, _ in senders:
-                    old = self.client_controls.get(reply.client_id, {}).get(key, zero)
+                    old = stored[reply.client_id].get(key, zero)
                     new = old - old_global_c - reply.delta[key] / (reply.local_steps * o.local_lr)  # line 14
                     controls[reply.client_id] = new
                     changes.append(new - old)  # line 15
                 self.global_control[key] = old_global_c + _weighted(changes, sender_weights) * fraction  # lines 17-18
                 for client_id, control in controls.items():
-                    self.client_controls.setdefault(client_id, {})[key] = control
+                    stored[client_id][key] = control
             signed = -mean_delta if released else mean_delta
             previous = self.previous_delta.get(key)
             self.previous_delta[key] = signed
@@ -127,19 +131,25 @@ class AdaptiveServer:
                 locals_w.append(base - lr * m_i)  # line 22
             new_state[key] = _weighted(locals_w, sender_weights)  # line 24
             self.momentum[key] = _weighted(locals_m, sender_weights)  # line 25
+        if o.control_variates:
+            for client_id, control_state in stored.items():
+                self.client_controls.put(client_id, control_state)
         self.rounds_done = round_idx
         return new_state
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop the state of keys that will no longer be exchanged (layers left on the clients)."""
-        for table in (self.global_control, self.momentum, self.previous_delta, *self.client_controls.values()):
+        for table in (self.global_control, self.momentum, self.previous_delta):
             for key in keys:
                 table.pop(key, None)
+        for client in list(self.client_controls):  # one device at a time: memory stays flat
+            kept = {k: v for k, v in self.client_controls[client].items() if k not in keys}
+            self.client_controls.put(client, kept)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "global_control": dict(self.global_control),
-            "client_controls": {str(c): dict(s) for c, s in self.client_controls.items()},
+            "client_controls": self.client_controls.state_dict(),
             "momentum": dict(self.momentum),
             "previous_delta": dict(self.previous_delta),
             "rounds_done": self.rounds_done,
@@ -147,7 +157,7 @@ class AdaptiveServer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_control = dict(state.get("global_control", {}))
-        self.client_controls = {int(c): dict(s) for c, s in state.get("client_controls", {}).items()}
+        self.client_controls.load_state_dict(state["client_controls"])
         self.momentum = dict(state.get("momentum", {}))
         self.previous_delta = dict(state.get("previous_delta", {}))
         self.rounds_done = int(state.get("rounds_done", 0))
