@@ -173,7 +173,7 @@ def test_first_subtoken_scores_pick_each_words_first_token() -> None:
     words = first_subtoken_scores(scores, [None, 0, 0, 1, 2, None], num_words=4)
     assert words[:3].tolist() == [[2.0, 3.0], [6.0, 7.0], [8.0, 9.0]]
     assert np.isnan(words[3]).all()
-    tagging = TokenTagging(("O", "B-X"), [[None, 0, 0, 1, None]], [["B-X", "O"]])
+    tagging = TokenTagging(("O", "B-X"), [[None, 0, 0, 1, None]], [2], [["B-X", "O"]])
     perfect = np.array([[0, 0], [0, 9], [9, 0], [9, 0], [0, 0]], dtype=float)
     assert tagging.score([0], [perfect], ("entity_f1",)) == {"entity_f1": 1.0}
 

@@ -5,6 +5,8 @@ boundaries match a gold entity exactly. Scores are micro-averaged over all entit
 (the WNUT 2017 / CoNLL convention), computed by ``seqeval`` in its default, conlleval-compatible
 mode: an ``I-X`` that does not continue an ``X`` chunk starts a new one. ``tag_accuracy`` is the
 fraction of words whose tag is right (``O`` included). Values are fractions in [0, 1].
+:func:`entity_spans` lists one sentence's entities by the same rules (what ``fedpeft predict``
+writes), so a predicted span is exactly an entity the metrics count.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from seqeval.metrics import accuracy_score, f1_score, precision_score, recall_score
+from seqeval.metrics.sequence_labeling import get_entities
 
 ENTITY_METRICS: tuple[str, ...] = ("entity_f1", "entity_precision", "entity_recall", "tag_accuracy")
 
@@ -37,3 +40,9 @@ def entity_scores(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[st
         "tag_accuracy": lambda: accuracy_score(y_true, y_pred),
     }
     return {name: float(functions[name]()) for name in names}
+
+
+def entity_spans(tags: Sequence[str]) -> list[tuple[str, int, int]]:
+    """The entities of one sentence's BIO tags as ``(type, first word, last word + 1)``, chunked by
+    ``seqeval``'s default rules, the ones :func:`entity_scores` counts with."""
+    return [(kind, start, end + 1) for kind, start, end in get_entities(list(tags))]

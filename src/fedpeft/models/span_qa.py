@@ -46,8 +46,10 @@ class SpanAnswers:
     n_best_size: int = 20
     max_answer_length: int = 30
 
-    def predict(self, rows: Sequence[int], scores: Sequence[np.ndarray]) -> dict[int, str]:
-        """Each example's answer text from its rows' ``(tokens, 2)`` start/end scores."""
+    def best_spans(self, rows: Sequence[int], scores: Sequence[np.ndarray]) -> dict[int, tuple[float, int, int]]:
+        """Each example's best ``(score, start char, end char)`` over its rows' windows, from their
+        ``(tokens, 2)`` start/end scores; ``(-inf, 0, 0)`` (the empty answer) when no window has a
+        valid span."""
         best: dict[int, tuple[float, int, int]] = {}
         for row, row_scores in zip(rows, scores, strict=True):
             example = self.example_of[row]
@@ -56,7 +58,12 @@ class SpanAnswers:
             if span is not None and (example not in best or span[0] > best[example][0]):
                 best[example] = span
             best.setdefault(example, (-np.inf, 0, 0))
-        return {example: self.contexts[example][start:end] for example, (_score, start, end) in best.items()}
+        return best
+
+    def predict(self, rows: Sequence[int], scores: Sequence[np.ndarray]) -> dict[int, str]:
+        """Each example's answer text from its rows' ``(tokens, 2)`` start/end scores."""
+        return {example: self.contexts[example][start:end]
+                for example, (_score, start, end) in self.best_spans(rows, scores).items()}
 
     def score(self, rows: Sequence[int], scores: Sequence[np.ndarray], metrics: Sequence[str]) -> dict[str, float]:
         """SQuAD exact match and F1 of the questions the rows belong to."""
@@ -114,7 +121,8 @@ def encode_qa(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, m
               n_best_size: int = 20, max_answer_length: int = 30
               ) -> tuple[list[dict[str, list[int]]], SpanAnswers]:
     """Window features (``input_ids``, ``token_type_ids`` when the tokenizer has them,
-    ``start_positions``/``end_positions`` of the first gold answer) and the split's scoring data."""
+    ``start_positions``/``end_positions`` of the first gold answer) and the split's scoring data.
+    A question without answers (to predict) targets ``[CLS]`` in every window."""
     require_fast(tokenizer, "extractive QA")
     if tokenizer.padding_side != "right":
         raise ConfigError("model.tokenizer", "extractive QA puts the question first and pads on the right")
@@ -130,8 +138,9 @@ def encode_qa(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, m
         window = np.array([pair if part == 1 else (NOT_CONTEXT, NOT_CONTEXT)
                            for pair, part in zip(encoded["offset_mapping"][row], sequence)], dtype=np.int64)
         example = examples[example_index]
-        start = example.answer_starts[0]
-        first, last = span_targets(window, start, start + len(example.references[0]))
+        first, last = (span_targets(window, example.answer_starts[0],
+                                    example.answer_starts[0] + len(example.references[0]))
+                       if example.answer_starts else (0, 0))
         feature = {key: encoded[key][row] for key in keys}
         feature["start_positions"], feature["end_positions"] = [first], [last]
         features.append(feature)

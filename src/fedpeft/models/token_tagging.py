@@ -97,17 +97,19 @@ def greedy_bio_decode(word_scores: np.ndarray, tag_names: Sequence[str], decodin
 
 @dataclass
 class TokenTagging:
-    """What scoring a token-classification split needs: each row's token -> word map and each
-    example's gold tags (rows and examples coincide: one sentence, one row)."""
+    """What scoring a token-classification split needs: each row's token -> word map, word count and
+    gold tags (rows and examples coincide: one sentence, one row; an unlabelled sentence, as
+    ``fedpeft predict`` reads them, has no gold tags but its words still get predicted tags)."""
 
     tag_names: tuple[str, ...]
     word_ids: list[list[int | None]]
+    num_words: list[int]
     gold: list[list[str]]
     decoding: BioDecoding = "argmax"
 
     def predict(self, row: int, scores: np.ndarray) -> list[str]:
         """The word tags of ``row`` from its ``(tokens, tags)`` scores."""
-        words = first_subtoken_scores(scores, self.word_ids[row], len(self.gold[row]))
+        words = first_subtoken_scores(scores, self.word_ids[row], self.num_words[row])
         return greedy_bio_decode(words, self.tag_names, self.decoding)
 
     def score(self, rows: Sequence[int], scores: Sequence[np.ndarray], metrics: Sequence[str]) -> dict[str, float]:
@@ -126,7 +128,8 @@ def encode_tagging(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBa
                    max_length: int, label_all: bool = False, decoding: BioDecoding = "argmax"
                    ) -> tuple[list[dict[str, list[int]]], TokenTagging]:
     """Model features (``input_ids``, ``token_type_ids`` when the tokenizer has them, per-token
-    ``labels``) of each sentence, truncated to ``max_length`` tokens, and its scoring data."""
+    ``labels``) of each sentence, truncated to ``max_length`` tokens, and its scoring data. A
+    sentence without tags (to predict) has no training target: every label is ignored."""
     require_fast(tokenizer, "token classification")
     encoded = tokenizer([list(example.words) for example in examples], is_split_into_words=True, truncation=True,
                         max_length=max_length)
@@ -136,8 +139,10 @@ def encode_tagging(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBa
     for row, example in enumerate(examples):
         words = encoded.word_ids(row)
         feature = {key: encoded[key][row] for key in keys}
-        feature["labels"] = align_labels(words, example.tags, label_all, continuation)
+        feature["labels"] = (align_labels(words, example.tags, label_all, continuation) if example.tags
+                             else [IGNORE_INDEX] * len(words))
         features.append(feature)
         word_ids.append(words)
     gold = [[tag_names[tag] for tag in example.tags] for example in examples]
-    return features, TokenTagging(tuple(tag_names), word_ids, gold, decoding)
+    return features, TokenTagging(tuple(tag_names), word_ids, [len(example.words) for example in examples], gold,
+                                  decoding)
