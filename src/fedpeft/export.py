@@ -200,6 +200,10 @@ def _load_export(directory: Path) -> LoadedModel:
         model = PeftModel.from_pretrained(base.model, str(directory))
         if isinstance(model.peft_config["default"], PrefixTuningConfig):
             model = PrefixTuned(model)
+        elif head == "question_answering":
+            # PEFT 0.21's question-answering forward drops token_type_ids (BERT's question/context
+            # segments); its tuner model hands every input to the adapted backbone
+            model = model.base_model
     else:
         raise ExportError(f"{directory / METADATA}: unknown format {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
     model.eval()
