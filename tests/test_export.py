@@ -18,9 +18,11 @@ import fedpeft
 from fedpeft.cli import main
 from fedpeft.config import build_config
 from fedpeft.engines.local import LocalEngine
-from fedpeft.experiment import prepare
+from fedpeft.experiment import Experiment, prepare
 from fedpeft.export import METADATA, export_run
-from fedpeft.models.encoding import output_scores, predict
+from fedpeft.metrics.entity import entity_scores
+from fedpeft.metrics.squad import squad_scores
+from fedpeft.models.encoding import output_scores, predict, token_scores
 from tests.conftest import tiny_raw_config, write_toy_sentiment
 
 RECIPES: dict[str, dict[str, Any]] = {
@@ -95,11 +97,17 @@ def tiny_run(root: Path, name: str, sections: dict[str, Any], train: Path, eval_
     return run_dir
 
 
-def evaluation_logits(run_dir: Path) -> torch.Tensor:
-    """The scores fedpeft's evaluation computes for the eval split with the run's final global state."""
+def trained_experiment(run_dir: Path) -> Experiment:
+    """The run's experiment with its final global state loaded, in eval mode: what its evaluation scored."""
     exp = prepare(build_config(_config(run_dir)))
     exp.slot.load(torch.load(run_dir / "checkpoint.pt", weights_only=True)["global_state"])
     exp.slot.model.eval()
+    return exp
+
+
+def evaluation_logits(run_dir: Path) -> torch.Tensor:
+    """The scores fedpeft's evaluation computes for the eval split with the run's final global state."""
+    exp = trained_experiment(run_dir)
     return output_scores(exp.slot.model, exp.eval_data, range(len(exp.eval_data)))
 
 
@@ -189,9 +197,7 @@ def test_predict_writes_one_row_per_input_with_label_names(exported: dict[str, A
     assert main(["predict", str(exported["root"] / "lora_peft"), "--input", str(exported["eval"]), "--output", str(out),
                  "--batch-size", "5"]) == 0
     table = pd.read_csv(out)
-    exp = prepare(build_config(_config(run_dir)))
-    exp.slot.load(torch.load(run_dir / "checkpoint.pt", weights_only=True)["global_state"])
-    exp.slot.model.eval()
+    exp = trained_experiment(run_dir)
     expected = [exp.task.label_names[int(k)] for k in predict(exp.slot.model, exp.eval_data, range(12))]
     assert list(table.columns) == ["text", "predicted_label", "probability"]
     assert table["text"].tolist() == pd.read_csv(exported["eval"])["text"].tolist()
@@ -212,10 +218,8 @@ def test_predict_regression_writes_floats(tmp_path: Path) -> None:
     assert main(["predict", str(run_dir), "--input", str(data), "--output", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 24 and all(isinstance(r["predicted_value"], float) for r in records)
-    exp = prepare(build_config(_config(run_dir)))
+    exp = trained_experiment(run_dir)
     assert exp.task.problem_type == "regression"
-    exp.slot.load(torch.load(run_dir / "checkpoint.pt", weights_only=True)["global_state"])
-    exp.slot.model.eval()
     expected = predict(exp.slot.model, exp.eval_data, range(24)).tolist()
     assert [r["predicted_value"] for r in records] == pytest.approx(expected, abs=1e-6)
 
@@ -262,9 +266,8 @@ def test_predict_generation_writes_the_texts_fedpeft_generates(tmp_path: Path) -
 
     raw = generation_raw(tmp_path, "gpt2", rounds=1)
     LocalEngine(prepare(build_config(raw)), tmp_path / "run").run()
-    exp = prepare(build_config(_config(tmp_path / "run")))
-    exp.slot.load(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global_state"])
-    expected = generate_texts(exp.slot.model.eval(), exp.eval_data, range(len(exp.eval_data)))
+    exp = trained_experiment(tmp_path / "run")
+    expected = generate_texts(exp.slot.model, exp.eval_data, range(len(exp.eval_data)))
     export_run(tmp_path / "run", tmp_path / "peft", "peft")
     inputs = tmp_path / "inputs.jsonl"  # the eval split's inputs, one per example (the file repeats them per reference)
     pd.DataFrame({"mr": [ex.texts[0] for ex in exp.task.eval]}).to_json(inputs, orient="records", lines=True)
@@ -273,3 +276,97 @@ def test_predict_generation_writes_the_texts_fedpeft_generates(tmp_path: Path) -
         assert main(["predict", str(tmp_path / source), "--input", str(inputs), "--output", str(out)]) == 0
         records = [json.loads(line) for line in out.read_text().splitlines()]
         assert [r["generated_text"] for r in records] == expected, source
+
+
+def test_predict_token_classification_writes_the_entities_evaluation_counts(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """One round on toy NER: predict's tags are the evaluation's (with the run's constrained BIO
+    decoding), for pre-split words (JSONL) and
+    whitespace-split text (CSV); its entities are the chunks seqeval scores, inside their text."""
+    from tests.test_token_classification import ner_raw
+
+    # a near-random model (lr 1e-6) tags many words as entities, some of them stray I-X ones
+    raw = ner_raw(tmp_path, rounds=1, task={"max_train_examples": 32}, client={"lr": 1e-6, "local_epochs": 1},
+                  evaluation={"at_start": False, "bio_decoding": "constrained"})
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "run").run()
+    exp = trained_experiment(tmp_path / "run")
+    rows = list(range(len(exp.eval_data)))
+    scorer = exp.eval_data.scorer
+    expected = [scorer.predict(row, scores) for row, scores in zip(rows, token_scores(exp.slot.model, exp.eval_data,
+                                                                                        rows, 16))]
+    sentences = [list(example.words) for example in exp.task.eval]
+    pd.DataFrame({"tokens": sentences}).to_json(tmp_path / "words.jsonl", orient="records", lines=True)
+    pd.DataFrame({"text": ["  " + "  ".join(words) for words in sentences]}).to_csv(tmp_path / "text.csv", index=False)
+    assert main(["predict", str(tmp_path / "run"), "--input", str(tmp_path / "words.jsonl"), "--output",
+                 str(tmp_path / "words_out.jsonl"), "--batch-size", "7"]) == 0
+    assert main(["predict", str(tmp_path / "run"), "--input", str(tmp_path / "text.csv"), "--output",
+                 str(tmp_path / "text_out.csv")]) == 0
+    by_words = [json.loads(line) for line in (tmp_path / "words_out.jsonl").read_text().splitlines()]
+    by_text = pd.read_csv(tmp_path / "text_out.csv")
+    assert len(by_words) == len(by_text) == len(sentences) == 40
+    assert [record["predicted_tags"] for record in by_words] == expected
+    assert [json.loads(tags) for tags in by_text["predicted_tags"]] == expected
+    # the run's own evaluation of these sentences, recomputed from predict's tags
+    assert entity_scores(scorer.gold, expected) == pytest.approx(records[-1]["eval"])
+    types = {name[2:] for name in exp.task.label_names if name != "O"}
+    found = 0
+    for words, record, text, cell in zip(sentences, by_words, by_text["text"], by_text["entities"], strict=True):
+        rebuilt = ["O"] * len(words)
+        for entity in record["entities"]:
+            assert entity["type"] in types and 0 <= entity["start"] < entity["end"] <= len(words)
+            assert entity["text"] == " ".join(words[entity["start"]:entity["end"]])
+            assert " ".join(words)[entity["start_char"]:entity["end_char"]] == entity["text"]
+            rebuilt[entity["start"]:entity["end"]] = [f"I-{entity['type']}"] * (entity["end"] - entity["start"])
+            rebuilt[entity["start"]] = f"B-{entity['type']}"
+        found += len(record["entities"])
+        if record["entities"]:  # exactly the entities seqeval counts in the predicted tags
+            assert entity_scores([record["predicted_tags"]], [rebuilt], ("entity_f1",))["entity_f1"] == 1.0
+        from_text = json.loads(cell)  # the same entities, their text a slice of the (double-spaced) input text
+        assert [(e["type"], e["start"], e["end"]) for e in from_text] == \
+            [(e["type"], e["start"], e["end"]) for e in record["entities"]]
+        assert all(text[e["start_char"]:e["end_char"]] == e["text"] and e["text"].split() == words[e["start"]:e["end"]]
+                   for e in from_text)
+    assert found > 0
+    capsys.readouterr()
+    (tmp_path / "no_words.csv").write_text("review\nrome is far\n")
+    line = _one_line_error(["predict", str(tmp_path / "run"), "--input", str(tmp_path / "no_words.csv")], capsys)
+    assert "--text-column" in line and "tokens" in line and "review" in line
+
+
+def test_predict_extractive_qa_writes_the_answers_evaluation_scores(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """One round on toy QA with windows and non-default n-best / answer length: predict's answers,
+    starts and scores are the evaluation's post-processing of the same windows, from a run and its
+    PEFT export."""
+    from tests.test_extractive_qa import qa_raw
+
+    raw = qa_raw(tmp_path, "lora", rounds=1, evaluation={"at_start": False, "n_best_size": 4,
+                                                         "max_answer_length": 2})
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / "run").run()
+    exp = trained_experiment(tmp_path / "run")
+    assert len(exp.eval_data) > len(exp.task.eval)  # long contexts: several windows per question
+    rows = list(range(len(exp.eval_data)))
+    best = exp.eval_data.scorer.best_spans(rows, token_scores(exp.slot.model, exp.eval_data, rows, 16))
+    questions = pd.DataFrame({"question": [e.texts[0] for e in exp.task.eval], "context": [e.texts[1] for e in
+                                                                                          exp.task.eval]})
+    questions.to_json(tmp_path / "questions.jsonl", orient="records", lines=True)
+    export_run(tmp_path / "run", tmp_path / "peft", "peft")
+    for source in ("run", "peft"):
+        out = tmp_path / f"{source}.jsonl"
+        assert main(["predict", str(tmp_path / source), "--input", str(tmp_path / "questions.jsonl"), "--output",
+                     str(out), "--batch-size", "6"]) == 0
+        answers = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(answers) == len(questions)
+        for i, answer in enumerate(answers):
+            score, start, end = best[i]
+            context = questions["context"][i]
+            assert (answer["answer"], answer["answer_start"]) == (context[start:end], start), (source, i)
+            assert answer["answer_score"] == pytest.approx(score, abs=1e-4)
+            assert context[answer["answer_start"]:].startswith(answer["answer"]) and answer["answer"]
+        # the run's own evaluation, recomputed from predict's answers
+        golds = [example.references for example in exp.task.eval]
+        assert squad_scores([a["answer"] for a in answers], golds) == pytest.approx(records[-1]["eval"])
+    capsys.readouterr()
+    questions[["question"]].to_csv(tmp_path / "no_context.csv", index=False)
+    line = _one_line_error(["predict", str(tmp_path / "run"), "--input", str(tmp_path / "no_context.csv")], capsys)
+    assert "'context'" in line and "question" in line

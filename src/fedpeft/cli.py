@@ -312,13 +312,13 @@ def cmd_predict(args: argparse.Namespace, console: Console) -> int:
     output = Path(args.output) if args.output else None
     output_format(output)  # a bad extension fails before the model loads
     loaded = load(args.model, args.data_dir)
-    inputs, data = read_input(loaded, Path(args.input), args.text_column)
+    batch = read_input(loaded, Path(args.input), args.text_column)
     batch_size = args.batch_size or loaded.cfg.evaluation.batch_size
     progress = Progress(TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
     with progress:
-        bar = progress.add_task("predict", total=len(data))
-        table = predict_rows(loaded, inputs, data, batch_size, lambda done, _: progress.update(bar, completed=done))
+        bar = progress.add_task("predict", total=len(batch))
+        table = predict_rows(loaded, batch, batch_size, lambda done, _: progress.update(bar, completed=done))
     write_predictions(table, output)
     if output is not None:
         console.print(f"{len(table)} predictions in {output}")
@@ -338,13 +338,16 @@ def _add_use_parsers(sub: argparse._SubParsersAction) -> None:
 
     predict = sub.add_parser("predict", help="predict the rows of a data file with a run or an export",
                              description="Predict every row of a CSV/TSV/JSON/JSONL/Parquet file; writes the text "
-                                         "columns with the predicted label and probability, value or text")
+                                         "columns with the predicted label and probability, value, text, entity "
+                                         "spans (token classification) or answer span (extractive QA)")
     predict.add_argument("model", metavar="RUN_DIR_OR_EXPORT")
     predict.add_argument("--input", required=True, help="the data file")
     predict.add_argument("--output", help="CSV, TSV or JSONL file, by extension (default: CSV on stdout)")
     predict.add_argument("--text-column", action="append", default=[],
-                         help="input text column (repeatable: joined; default: the run's task.text_columns)")
-    predict.add_argument("--batch-size", type=int, help="examples per batch (default: evaluation.batch_size)")
+                         help="input text column (repeatable: joined; default: the run's task.text_columns); "
+                              "token classification: one column of words or text (default: tokens, words, text); "
+                              "extractive QA: question, then context (default: question, context)")
+    predict.add_argument("--batch-size", type=int, help="input rows per batch (default: evaluation.batch_size)")
     predict.add_argument("--data-dir", help="folder of the benchmark data (a run's labels come from its data)")
     predict.set_defaults(func=cmd_predict)
 
