@@ -18,31 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fedpeft.metrics.report import metric_cell
+from fedpeft.metrics.summary import human_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 ORDER = ("defaults", "defaults_tuned", "federa", "federa_20ng", "federa_ner_qa", "flasc", "fedtt", "headprune",
          "fedpeptao")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
-def interval(row: dict[str, Any], key: str = "final_metric") -> str:
-    value = row.get(key)
-    if value is None:
-        return "-"
-    text = f"{value:.3f}"
-    if len(row.get("seeds", [])) > 1:
-        text += f" ± {row.get(f'{key}_std', 0.0):.3f}"
-    ci = row.get(f"{key}_ci")
-    return text + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 
 def benchmarks() -> list[dict[str, Any]]:
@@ -61,7 +45,7 @@ def section(data: dict[str, Any]) -> list[str]:
     ceilings = {row["task"]: row for row in data["ceilings"]}
     for task, row in ceilings.items():
         lines.append(f"Centralised ceiling on {task} ({row['method']}): best {row['metric']} "
-                     f"{interval(row, 'best_metric')}.")
+                     f"{metric_cell(row, 'best_metric')}.")
     if ceilings:
         lines.append("")
     lines += ["| task / partition | method | eval n | seeds | final | vs best | uplink / client / round |",
@@ -69,7 +53,7 @@ def section(data: dict[str, Any]) -> list[str]:
     for row in data["summary"]:
         cell = f"{row['task']} / {row['partition']}" if row["partition"] else row["task"]
         lines.append(f"| {cell} | `{row['method']}` | {row.get('eval_examples') or '-'} | {len(row['seeds'])} | "
-                     f"{interval(row)} | {row.get('vs_best', '-')} | "
+                     f"{metric_cell(row, 'final_metric')} | {row.get('vs_best', '-')} | "
                      f"{human_bytes(row['uplink_bytes_per_client_round'] or 0)} |")
     lines.append("")
     for claim in data["claims"]:

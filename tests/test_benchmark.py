@@ -132,3 +132,14 @@ def test_fedtt_paper_benchmark_file_expands() -> None:
     assert all(build_config(run.raw).codec.up.pack for run in sweep.runs)
     assert {claim.id for claim in sweep.spec.claims} >= {"fedtt_vs_lora", "fedtt_plus_vs_lora",
                                                           "fedtt_plus_robust_vs_lora"}
+
+
+def test_readme_results_match_the_committed_results() -> None:
+    """The README's results block is generated from benchmarks/results/*.json: it may not drift from them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "suite.py"), "--check"], cwd=root,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, "README.md is out of date: run python benchmarks/suite.py"
