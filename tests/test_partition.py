@@ -202,3 +202,21 @@ def test_table_with_many_labels_shows_most_common() -> None:
     )
     table = format_partition_table(rows, [f"g{index}" for index in range(20)])
     assert [column.header for column in table.columns] == ["client", "size", "most common labels"]
+
+
+def test_dirichlet_over_clients_gives_equal_sizes_and_per_client_label_skew() -> None:
+    """Hsu et al. 2019: each client's label mix ~ Dir(alpha), every client the same size, each example once."""
+    classes = np.asarray(LABELS)
+
+    def shards(alpha: float, seed: int = 0) -> list[np.ndarray]:
+        return partition_indices(LABELS, PartitionConfig(kind="dirichlet", dirichlet_over="clients", num_clients=10,
+                                                         alpha=alpha), seed)
+
+    skewed = shards(0.1)
+    assert sorted(np.concatenate(skewed).tolist()) == list(range(400))
+    assert {len(shard) for shard in skewed} == {40}  # the class-wise split gives unequal sizes; this does not
+    assert all(np.array_equal(a, b) for a, b in zip(skewed, shards(0.1)))
+    assert not all(np.array_equal(a, b) for a, b in zip(skewed, shards(0.1, seed=1)))
+    entropy = {alpha: float(np.mean([_entropy(np.bincount(classes[s], minlength=4)) for s in shards(alpha)]))
+               for alpha in (0.1, 100.0)}
+    assert entropy[0.1] < 0.8 < 1.2 < entropy[100.0] <= np.log(4)  # near one class vs near uniform over 4

@@ -111,6 +111,9 @@ class PartitionConfig(_Strict):
     kind: Literal["iid", "dirichlet", "quantity_skew", "label_proportions", "natural", "centralized"] = "iid"
     num_clients: PositiveInt = 10
     alpha: PositiveFloat = 0.5
+    # dirichlet: split each class over clients (NIID-Bench; sizes vary) or draw each client's label mix
+    # (Hsu et al. 2019; equal sizes)
+    dirichlet_over: Literal["classes", "clients"] = "classes"
     label_proportions: list[list[float]] | None = None
     min_examples_per_client: PositiveInt = 1
     seed: int | None = None

@@ -4,8 +4,10 @@
 of :class:`~fedpeft.config.PartitionConfig`:
 
 - ``iid``: a random permutation cut into near-equal parts;
-- ``dirichlet``: label skew, per class proportions over clients ~ Dirichlet(alpha)
-  (Hsu et al. 2019, as implemented in FedML / NIID-Bench);
+- ``dirichlet``: label skew. ``dirichlet_over: classes`` (default): each class's examples are split
+  over clients with proportions ~ Dirichlet(alpha), as FedML / NIID-Bench's ``hetero`` (sizes
+  vary with the draw); ``dirichlet_over: clients``: each client's label mix ~ Dirichlet(alpha) and
+  every client the same size (Hsu et al. 2019), label skew without quantity skew;
 - ``quantity_skew``: client sizes ~ Dirichlet(alpha), labels iid;
 - ``label_proportions``: each client's label distribution given row by row (FedTT App. B);
 - ``natural``: a group per example names its client;
@@ -68,6 +70,8 @@ def partition_indices(
     rng = np.random.default_rng(cfg.seed if cfg.seed is not None else seed)
     if cfg.kind == "iid":
         shards = iid_shards(num_examples, cfg.num_clients, rng)
+    elif cfg.kind == "dirichlet" and cfg.dirichlet_over == "clients":
+        shards = dirichlet_client_shards(class_ids(labels), cfg.num_clients, cfg.alpha, rng)
     elif cfg.kind == "dirichlet":
         shards = dirichlet_label_shards(
             class_ids(labels), cfg.num_clients, cfg.alpha, cfg.min_examples_per_client, rng
@@ -145,7 +149,7 @@ def dirichlet_label_shards(
     rng: np.random.Generator,
 ) -> list[np.ndarray]:
     """Label-skewed shards: for each class, split its examples over clients with proportions
-    drawn from Dirichlet(alpha) (Hsu et al. 2019).
+    drawn from Dirichlet(alpha).
 
     As FedML's / NIID-Bench's ``hetero`` partition: a client that already holds its fair share
     ``N / num_clients`` gets no more examples of later classes (keeps sizes from running away),
@@ -172,6 +176,26 @@ def dirichlet_label_shards(
         f"{DIRICHLET_MAX_ATTEMPTS} Dirichlet draws at alpha={alpha}; use a larger alpha, fewer clients "
         "or a smaller partition.min_examples_per_client",
     )
+
+
+def dirichlet_client_shards(
+    classes: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Equal-size shards whose label mixes are drawn per client from Dirichlet(alpha) over the
+    classes (Hsu et al. 2019, Sec. 3): client k's examples are drawn one class at a time with
+    probabilities q_k, without replacement; a class that runs out is dropped from q_k and the rest
+    renormalised, so every example is used once and sizes differ by at most one."""
+    values = np.unique(classes)
+    pools = [list(rng.permutation(np.flatnonzero(classes == value))) for value in values]
+    sizes = _split_count(len(classes), np.ones(num_clients))
+    mixes = rng.dirichlet(np.full(len(values), alpha), size=num_clients)
+    shards: list[list[int]] = [[] for _ in range(num_clients)]
+    for client in rng.permutation(num_clients):
+        for _ in range(sizes[client]):
+            left = np.array([len(pool) > 0 for pool in pools])
+            choice = rng.choice(len(pools), p=_normalised(mixes[client] * left, fallback=left))
+            shards[client].append(pools[choice].pop())
+    return [np.asarray(shard, dtype=np.int64) for shard in shards]
 
 
 def _normalised(weights: np.ndarray, fallback: np.ndarray) -> np.ndarray:

@@ -63,6 +63,7 @@ LATER_FIELDS: dict[tuple[str, ...], Any] = {
     ("task", "validation_file"): None, ("evaluation", "splits"): ["eval", "validation"],
     ("codec", "down", "pack"): False, ("codec", "up", "pack"): False,
     ("engine", "precision"): "fp32", ("model", "dtype"): "fp32", ("model", "quantization"): "none",
+    ("partition", "dirichlet_over"): "classes",
 }
 """Config fields added after runs were already checkpointed, with their defaults: left out of the
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
