@@ -129,6 +129,7 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=train_rows, train_data=train_data)
     algorithm = build_algorithm(RECIPES[cfg.method].algorithm, cfg, ctx)
     initial_state = algorithm.initial_state(slot.read())
+    schema = schema_of(initial_state)  # the keys and shapes both codecs pack against
     privacy = None
     if cfg.client.dp is not None:
         check_private_training(cfg, slot, train_data, train_rows)
@@ -137,9 +138,8 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     return Experiment(
         cfg=cfg, task=task, shards=shards, train_rows=train_rows, backbone=backbone, slot=slot, train_data=train_data,
         eval_data=eval_data, validation_data=validation_data, algorithm=algorithm,
-        down_codec=build_codec(cfg.codec.down, "down", schema_of(initial_state)),
-        up_codec=build_codec(cfg.codec.up, "up", schema_of(initial_state)), initial_state=initial_state,
-        privacy=privacy,
+        down_codec=build_codec(cfg.codec.down, "down", schema), up_codec=build_codec(cfg.codec.up, "up", schema),
+        initial_state=initial_state, privacy=privacy,
     )
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedpeft.data.tasks import DEFAULT_TEXT_COLUMNS, file_format, read_table, resolve_column
+from fedpeft.data.tasks import DEFAULT_TEXT_COLUMNS, file_format, joined_texts, read_table, resolve_column
 from fedpeft.data.types import Example
 from fedpeft.export import LoadedModel
 from fedpeft.metrics.entity import entity_spans
@@ -95,13 +95,8 @@ def read_examples(path: Path, loaded: LoadedModel, given_columns: Sequence[str])
         return question_examples(frame, given_columns, path.name)
     texts, pairs = text_columns(frame, loaded, given_columns, path.name)
     join = loaded.cfg.task.join_with
-
-    def joined(columns: Sequence[Hashable]) -> list[str]:
-        return [join.join("" if pd.isna(cell) else str(cell) for cell in row)
-                for row in zip(*(frame[column].tolist() for column in columns))]
-
-    first = joined(texts)
-    second = joined(pairs) if pairs else None
+    first = joined_texts(frame, texts, join)
+    second = joined_texts(frame, pairs, join) if pairs else None
     # generation encodes a training target from the first reference; predicting only reads the prompt
     references = ("",) if problem == "generation" else ()
     examples = [Example(texts=(first[i],) if second is None else (first[i], second[i]), label=None,

@@ -1006,7 +1006,7 @@ def _generation_task(cfg: TaskConfig, name: str, train_frame: pd.DataFrame, eval
     splits = []
     for frame, source, grouped in ((train_frame, train_source, False), (eval_frame, eval_source, True)):
         columns = _task_columns(cfg, frame, source)
-        inputs = _joined(frame, columns.texts, cfg.join_with)
+        inputs = joined_texts(frame, columns.texts, cfg.join_with)
         targets = [_text(value) for value in _raw_labels(frame, columns.label, source)]
         if not grouped:
             splits.append([Example(texts=(text,), label=None, references=(target,))
@@ -1239,8 +1239,8 @@ def _user_examples(
     frame: pd.DataFrame, columns: _Columns, labels: Sequence[int | float], cfg: TaskConfig
 ) -> list[Example]:
     """One Example per row: text columns joined with ``join_with``, the pair columns likewise."""
-    first = _joined(frame, columns.texts, cfg.join_with)
-    second = _joined(frame, columns.pairs, cfg.join_with) if columns.pairs else None
+    first = joined_texts(frame, columns.texts, cfg.join_with)
+    second = joined_texts(frame, columns.pairs, cfg.join_with) if columns.pairs else None
     groups = [_text(value) for value in frame[columns.group].tolist()] if columns.group is not None else None
     return [
         Example(
@@ -1252,7 +1252,8 @@ def _user_examples(
     ]
 
 
-def _joined(frame: pd.DataFrame, columns: Sequence[Hashable], separator: str) -> list[str]:
+def joined_texts(frame: pd.DataFrame, columns: Sequence[Hashable], separator: str) -> list[str]:
+    """Per row, the cells of ``columns`` as text (missing: empty) joined by ``separator``."""
     cells = zip(*(frame[column].tolist() for column in columns))
     return [separator.join(_text(cell) for cell in row) for row in cells]
 
