@@ -18,6 +18,27 @@ def test_recipe_defaults_under_user_values() -> None:
     assert cfg.client.optimizer == "adamw"  # from the recipe
 
 
+@pytest.mark.parametrize(("method", "short", "paper"), [
+    ("flasc", {"client.lr": 0.17, "strategy.server_lr": 0.02}, {"client.lr": 0.0005, "strategy.server_lr": 0.001}),
+    ("headprune_b1", {"client.batch_size": 16}, {"client.batch_size": 80}),
+    ("ffa_lora", {"client.lr": 0.002}, {"client.lr": 0.001}),
+])
+def test_paper_defaults_select_the_papers_values(method: str, short: dict, paper: dict) -> None:
+    """A recipe defaults to values that learn in short runs; ``paper_defaults: true`` takes the
+    paper's (``paper_values``), and the user's own values still win over both."""
+    def values(cfg: object, keys: dict) -> dict:
+        out = {}
+        for key in keys:
+            section, name = key.split(".")
+            out[key] = getattr(getattr(cfg, section), name)
+        return out
+
+    assert values(build_config({"method": method}), short) == short
+    assert values(build_config({"method": method, "paper_defaults": True}), paper) == paper
+    mine = build_config({"method": method, "paper_defaults": True, "client": {"lr": 0.3, "batch_size": 4}})
+    assert (mine.client.lr, mine.client.batch_size) == (0.3, 4)
+
+
 def test_yaml_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump({"method": "lora", "rounds": 4}))
