@@ -200,13 +200,14 @@ def test_hetlora_refuses_the_svd_init_below_the_top_tier(toy_files: tuple[Path, 
 
 
 def test_hetlora_released_preset_is_the_released_script(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
-    """train_sparse_lora_het.py: tiers by client id mod 3, sum of zero-padded deltas / n into torch AdamW."""
-    cfg = build_config({"method": "hetlora_released"})
+    """train_sparse_lora_het.py: tiers by client id mod 3, sum of zero-padded deltas / n into torch AdamW
+    (its learning rates are the recipe's paper_values; the defaults are short-run ones)."""
+    cfg = build_config({"method": "hetlora_released", "paper_defaults": True})
     assert (cfg.strategy.name, cfg.strategy.weighting, cfg.strategy.server_lr) == ("fedadamw", "uniform", 0.005)
     assert (cfg.strategy.beta1, cfg.strategy.beta2, cfg.strategy.model_extra["weight_decay"]) == (0.9, 0.999, 0.01)
     assert (cfg.adapter.r, cfg.adapter.lora_alpha, cfg.adapter.dropout) == (16, 16.0, 0.1)
     train, eval_ = toy_files
-    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="hetlora_released", adapter=LORA,
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", method="hetlora_released", paper_defaults=True, adapter=LORA,
                           strategy={"name": "fedadamw", "clients_per_round": 2, "rank_tiers": [1, 4]})
     exp = prepare(build_config(raw))
     assert exp.algorithm.client_ranks == [1, 4, 1, 4]
