@@ -72,11 +72,7 @@ def text_columns(frame: pd.DataFrame, loaded: LoadedModel, given: Sequence[str],
     task_cfg = loaded.cfg.task
     specs: list[str | int] = list(given) or list(task_cfg.text_columns)
     if not specs:
-        default = next((name for name in DEFAULT_TEXT_COLUMNS if name in frame.columns), None)
-        if default is None:
-            raise ExportError(f"--text-column: {source} has none of the columns {', '.join(DEFAULT_TEXT_COLUMNS)}; "
-                              f"{_columns_message(frame)}")
-        specs = [default]
+        specs = [first_column(frame, DEFAULT_TEXT_COLUMNS, source)]
     texts = [resolve_column(frame, spec, "--text-column", source) for spec in specs]
     pairs = [] if given else [resolve_column(frame, spec, "--text-column", source)
                               for spec in task_cfg.text_pair_columns]
@@ -108,6 +104,15 @@ def _columns_message(frame: pd.DataFrame) -> str:
     return f"it has {', '.join(map(str, frame.columns))}"
 
 
+def first_column(frame: pd.DataFrame, candidates: Sequence[str], source: str) -> str:
+    """The first of ``candidates`` that ``frame`` has (an input's default column)."""
+    found = next((name for name in candidates if name in frame.columns), None)
+    if found is None:
+        raise ExportError(f"--text-column: {source} has none of the columns {', '.join(candidates)}; "
+                          f"{_columns_message(frame)}")
+    return found
+
+
 def sentence(cell: Any) -> tuple[str, tuple[str, ...]]:
     """A row's text and words: a list cell is the words (its text: them joined by spaces), any other
     cell a text split on white space."""
@@ -123,15 +128,8 @@ def sentence_examples(frame: pd.DataFrame, given: Sequence[str], source: str) ->
     :data:`WORD_COLUMNS` and :data:`DEFAULT_TEXT_COLUMNS` the file has (see the module docstring)."""
     if len(given) > 1:
         raise ExportError(f"--text-column: token classification reads one column (words or a text), not {len(given)}")
-    if given:
-        column = resolve_column(frame, given[0], "--text-column", source)
-    else:
-        candidates = (*WORD_COLUMNS, *DEFAULT_TEXT_COLUMNS)
-        found = next((name for name in candidates if name in frame.columns), None)
-        if found is None:
-            raise ExportError(f"--text-column: {source} has none of the columns {', '.join(candidates)}; "
-                              f"{_columns_message(frame)}")
-        column = found
+    column = (resolve_column(frame, given[0], "--text-column", source) if given
+              else first_column(frame, (*WORD_COLUMNS, *DEFAULT_TEXT_COLUMNS), source))
     examples = []
     for cell in frame[column].tolist():
         text, words = sentence(cell)
@@ -153,8 +151,7 @@ def question_examples(frame: pd.DataFrame, given: Sequence[str], source: str) ->
             raise ExportError(f"--input: {source} has no {' and no '.join(map(repr, missing))} column (extractive QA "
                               f"reads question and context, or two --text-column); {_columns_message(frame)}")
         columns = list(QA_COLUMNS)
-    cells = [["" if cell is None or pd.isna(cell) else str(cell) for cell in frame[column].tolist()]
-             for column in columns]
+    cells = [joined_texts(frame, [column], "") for column in columns]
     examples = [Example(texts=(question, context), label=None) for question, context in zip(*cells)]
     return frame[columns], examples
 
