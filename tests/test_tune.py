@@ -72,6 +72,29 @@ def test_pruning_stops_a_diverging_trial(toy: tuple[dict[str, Any], Path], tmp_p
     assert any(r["state"] == "complete" and float(r["client.lr"]) == 0.01 for r in rows)
 
 
+@pytest.mark.parametrize("kind", ["median", "halving"])
+def test_pruner_waits_for_prune_after_rounds(kind: str) -> None:
+    """A trial far below the others is not judged before round ``prune_after``, and is stopped there."""
+    import optuna
+
+    from fedpeft.tune import _pruner
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", pruner=_pruner(kind, 3))
+    for _ in range(2):  # two finished trials that learned: 0.6, 0.7, 0.8, 0.85 by round
+        trial = study.ask()
+        for step, value in enumerate([0.6, 0.7, 0.8, 0.85], start=1):
+            trial.report(value, step)
+            trial.should_prune()  # as every trial of a tune asks after each round (halving records its rungs)
+        study.tell(trial, 0.85)
+    stuck = study.ask()  # at the majority class throughout
+    verdicts = []
+    for step in range(1, 5):
+        stuck.report(0.545, step)
+        verdicts.append(bool(stuck.should_prune()))
+    assert verdicts[:3] == [False, False, True]
+
+
 def _command(config: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "fedpeft", "tune", str(config), "--trials", "3", "--pruner", "none",
             "--out", str(out)]
@@ -135,6 +158,8 @@ def test_default_space_and_bad_input(toy: tuple[dict[str, Any], Path], tmp_path:
         tune(raw, tmp_path / "zero", 0, console=Console(quiet=True))
     with pytest.raises(ConfigError, match=r"task\.validation_fraction"):
         tune(raw, tmp_path / "frac", 2, validation_fraction=1.5, console=Console(quiet=True))
+    with pytest.raises(ConfigError, match=r"--prune-after: must be a round from 1 to the trial's 3 rounds"):
+        tune(raw, tmp_path / "late", 2, prune_after=4, console=Console(quiet=True))
     tune(raw, tmp_path / "one", 1, console=Console(quiet=True))
     with pytest.raises(ConfigError, match=r"TUNE_DIR: .* holds the study of another config"):
         tune({**raw, "rounds": 2}, tmp_path / "one", 1, console=Console(quiet=True))

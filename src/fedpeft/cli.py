@@ -189,7 +189,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"tune_{Path(args.config).stem}"
     space = load_space(args.space) if args.space else None
     tune(raw, out, args.trials, seed=args.seed, space=space, pruner=args.pruner, rounds=args.rounds,
-         validation_fraction=args.validation_fraction, data_dir=args.data_dir, console=console)
+         validation_fraction=args.validation_fraction, prune_after=args.prune_after, data_dir=args.data_dir,
+         console=console)
     console.print(f"next: fedpeft run {out / 'best.yaml'}")
     return 0
 
@@ -412,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--pruner", choices=["median", "halving", "none"], default="median",
                       help="stop bad trials early on the round-by-round validation metric")
     tune.add_argument("--rounds", type=int, help="rounds per trial (default: the config's)")
+    tune.add_argument("--prune-after", type=int,
+                      help="first round at which the pruner may stop a trial (default: half the rounds)")
     tune.add_argument("--validation-fraction", type=float,
                       help="validation split carved from training (default: the config's, else 0.1)")
     _add_config_args(tune)

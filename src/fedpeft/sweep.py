@@ -68,6 +68,7 @@ class TuneBlock(_Strict):
     rounds: int | None = Field(None, gt=0)
     seed: int = 0
     pruner: Literal["median", "halving", "none"] = "median"
+    prune_after: int | None = Field(None, gt=0)  # first round the pruner may stop a trial (default: half)
     validation_fraction: float = Field(0.1, gt=0, lt=1)
     per: Literal["task", "cell"] = "task"
     partition: str | None = None  # with per: task, the partition tuned on (default: the first)
@@ -383,6 +384,8 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
             args += ["--space", str(space_file)]
         if tune.rounds is not None:
             args += ["--rounds", str(tune.rounds)]
+        if tune.prune_after is not None:
+            args += ["--prune-after", str(tune.prune_after)]
         code = _fedpeft(args + extra, logs / f"tune_{key}.log")
         say(f"tune {key}: " + ("done" if code == 0 else f"failed (see {logs / f'tune_{key}.log'})"))
 

@@ -11,7 +11,11 @@ Search: Optuna's TPE sampler, reseeded for every trial from (``seed``, trial num
 seed gives the same trials, also across a resume. Bad trials stop early: after each round the
 validation metric is reported to a pruner (median by default: stop a trial below the median of
 earlier trials at the same round; or successive halving), and a trial whose training loss is
-not finite, or a client of which sends NaN/Inf, stops at once. Everything lives in ``TUNE_DIR``: Optuna's SQLite storage
+not finite, or a client of which sends NaN/Inf, stops at once. The pruner judges a trial only from
+round ``prune_after`` on (default: half the rounds): a federated run on skewed clients often sits
+at the majority class for its first rounds, and judging it there prunes on noise (measured: the
+LoRA tune on short-run SST-2 pruned lr 8.7e-4 after round 2 at the majority class, while lr 9.6e-4
+went on to the best validation accuracy, 0.79). Everything lives in ``TUNE_DIR``: Optuna's SQLite storage
 (``study.db``), one run directory per trial (``trials/NNN``), ``trials.csv``, ``trials.png`` and
 ``best.yaml``, the full config with the chosen values, runnable as is (``fedpeft run
 best.yaml``). A killed tune resumes where it stopped: the trial that was running is retried with
@@ -205,29 +209,33 @@ class _NonFinite(Exception):
     """A trial's training diverged (its loss is NaN or infinite)."""
 
 
-def _pruner(kind: str) -> Any:
+def _pruner(kind: str, prune_after: int) -> Any:
+    """The study's pruner; it may stop a trial from round ``prune_after`` on, never before."""
     import optuna
 
     if kind == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=prune_after)
     if kind == "halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=3)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=prune_after, reduction_factor=3)
     return optuna.pruners.NopPruner()
 
 
-def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str) -> str:
+def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, prune_after: int) -> str:
     resolved = build_config(base).model_dump(mode="json")
     resolved.pop("output")
     blob = {"config": resolved, "space": {k: v.model_dump() for k, v in space.items()}, "seed": seed,
-            "pruner": pruner}
+            "pruner": pruner, "prune_after": prune_after}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, space: Space | None = None,
          pruner: Literal["median", "halving", "none"] = "median", rounds: int | None = None,
-         validation_fraction: float | None = None, data_dir: str | None = None,
-         console: Console | None = None) -> TuneResult:
-    """Run (or resume) a study of ``trials`` trials of the config ``raw`` in ``tune_dir``."""
+         validation_fraction: float | None = None, prune_after: int | None = None,
+         data_dir: str | None = None, console: Console | None = None) -> TuneResult:
+    """Run (or resume) a study of ``trials`` trials of the config ``raw`` in ``tune_dir``.
+
+    ``prune_after``: the first round at which the pruner may stop a trial (default: half the rounds).
+    """
     import optuna
 
     console = console or Console()
@@ -237,11 +245,15 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
     cfg = build_config(base)
     space = space if space is not None else default_space(cfg)
     check_space(space, base)
+    prune_after = max(1, cfg.rounds // 2) if prune_after is None else prune_after
+    if not 1 <= prune_after <= cfg.rounds:
+        raise ConfigError("--prune-after", f"must be a round from 1 to the trial's {cfg.rounds} rounds, "
+                          f"got {prune_after}")
     tune_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(base, space, seed, pruner)
+    fingerprint = _fingerprint(base, space, seed, pruner, prune_after)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=f"sqlite:///{tune_dir / 'study.db'}", study_name=STUDY,
-                                direction="maximize", pruner=_pruner(pruner), load_if_exists=True)
+                                direction="maximize", pruner=_pruner(pruner, prune_after), load_if_exists=True)
     saved = study.user_attrs.get("fingerprint")
     if saved is None:
         study.set_user_attr("fingerprint", fingerprint)
