@@ -72,27 +72,42 @@ def test_pruning_stops_a_diverging_trial(toy: tuple[dict[str, Any], Path], tmp_p
     assert any(r["state"] == "complete" and float(r["client.lr"]) == 0.01 for r in rows)
 
 
-@pytest.mark.parametrize("kind", ["median", "halving"])
-def test_pruner_waits_for_prune_after_rounds(kind: str) -> None:
-    """A trial far below the others is not judged before round ``prune_after``, and is stopped there."""
+def _verdicts(kind: str, values: list[float], noise: float = 0.0) -> list[bool]:
+    """should_prune after each round of a trial reporting ``values``, after two finished trials that
+    reported 0.6, 0.7, 0.8, 0.85 (a pruner that may judge from round 3)."""
     import optuna
 
     from fedpeft.tune import _pruner
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", pruner=_pruner(kind, 3))
-    for _ in range(2):  # two finished trials that learned: 0.6, 0.7, 0.8, 0.85 by round
+    for _ in range(2):
         trial = study.ask()
         for step, value in enumerate([0.6, 0.7, 0.8, 0.85], start=1):
             trial.report(value, step)
             trial.should_prune()  # as every trial of a tune asks after each round (halving records its rungs)
         study.tell(trial, 0.85)
-    stuck = study.ask()  # at the majority class throughout
+    trial = study.ask()
+    trial.set_user_attr("noise", noise)
     verdicts = []
-    for step in range(1, 5):
-        stuck.report(0.545, step)
-        verdicts.append(bool(stuck.should_prune()))
-    assert verdicts[:3] == [False, False, True]
+    for step, value in enumerate(values, start=1):
+        trial.report(value, step)
+        verdicts.append(bool(trial.should_prune()))
+    return verdicts
+
+
+@pytest.mark.parametrize("kind", ["median", "halving"])
+def test_pruner_waits_for_prune_after_rounds(kind: str) -> None:
+    """A trial at the majority class is not judged before round ``prune_after``, and is stopped there."""
+    assert _verdicts(kind, [0.545] * 3) == [False, False, True]
+
+
+def test_median_pruner_spares_a_trial_within_the_noise() -> None:
+    """Median 0.8 at round 3: 0.76 is within a 0.0707 noise (200 validation examples) and goes on;
+    0.72 is not; without noise both stop."""
+    assert _verdicts("median", [0.5, 0.6, 0.76], noise=0.0707) == [False, False, False]
+    assert _verdicts("median", [0.5, 0.6, 0.72], noise=0.0707) == [False, False, True]
+    assert _verdicts("median", [0.5, 0.6, 0.76]) == [False, False, True]
 
 
 def _command(config: Path, out: Path) -> list[str]:
