@@ -57,6 +57,13 @@ def test_expand_orders_fragments_and_names_runs(tmp_path: Path) -> None:
         expand({**spec, "methods": {"lora-r8": {"method": "lora"}}})
     with pytest.raises(ConfigError, match=r"sweep\.tune\.trials"):
         expand({**spec, "tune": {"trials": 0}})
+    # a first judging round past the trials' last round is refused before anything runs, not when the tune starts
+    with pytest.raises(ConfigError, match=r"sweep\.tune\.prune_after: 4 is past the last round of the toy_iid_lora "
+                       r"tune's trials \(3 rounds\)"):
+        expand({**spec, "tune": {**spec["tune"], "prune_after": 4}})
+    with pytest.raises(ConfigError, match=r"sweep\.tune\.prune_after: 3 .*\(2 rounds\)"):
+        expand({**spec, "tune": {**spec["tune"], "prune_after": 3, "rounds": 2}})
+    assert expand({**spec, "tune": {**spec["tune"], "prune_after": 3}}).spec.tune.prune_after == 3
 
 
 @pytest.mark.slow

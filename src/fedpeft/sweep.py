@@ -242,7 +242,20 @@ def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
                 sweep.runs.append(_ceiling_point(sweep, task, seed))
     for run in sweep.runs:
         build_config(run.raw)  # validate every point before running any
+    _check_prune_after(sweep)
     return sweep
+
+
+def _check_prune_after(sweep: Sweep) -> None:
+    """``tune.prune_after`` must be a round every tune's trials reach (else ``fedpeft tune`` fails mid-sweep)."""
+    tune = sweep.spec.tune
+    if tune is None or tune.prune_after is None:
+        return
+    for key, job in sweep.tunes.items():
+        rounds = tune.rounds or build_config(job.raw).rounds
+        if tune.prune_after > rounds:
+            raise ConfigError("sweep.tune.prune_after", f"{tune.prune_after} is past the last round of the {key} "
+                              f"tune's trials ({rounds} rounds)")
 
 
 def _check_names(spec: SweepFile) -> None:
