@@ -10,7 +10,7 @@ import yaml
 
 from fedpeft.claims import references
 from fedpeft.config import ConfigError, build_config
-from fedpeft.sweep import expand, load_sweep
+from fedpeft.sweep import expand, load_sweep, with_tuned
 from tests.conftest import tiny_raw_config, write_toy_sentiment
 
 
@@ -64,6 +64,26 @@ def test_expand_orders_fragments_and_names_runs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"sweep\.tune\.prune_after: 3 .*\(2 rounds\)"):
         expand({**spec, "tune": {**spec["tune"], "prune_after": 3, "rounds": 2}})
     assert expand({**spec, "tune": {**spec["tune"], "prune_after": 3}}).spec.tune.prune_after == 3
+
+
+def test_ceiling_config_applies_to_the_ceiling_over_tuned_values(tmp_path: Path) -> None:
+    """``ceiling.config`` sets the centralised runs only, over the method's tuned values (a client lr tuned
+    against a server optimiser does not come back); the federated runs keep theirs."""
+    spec = _benchmark(tmp_path)
+    spec["ceiling"] = {"method": "lora", "rounds": 2,
+                       "config": {"client": {"lr": 0.003}, "strategy": {"name": "fedavg", "server_lr": 1.0}}}
+    sweep = expand(spec)
+    ceiling = sweep.runs[-1]
+    assert ceiling.ceiling and build_config(ceiling.raw).client.lr == 0.003
+    tuned = sweep.tune_dir(ceiling.tune_key)
+    tuned.mkdir(parents=True)
+    (tuned / "tune.json").write_text(json.dumps({"best_params": {"client.lr": 0.05}}))
+    cfg = build_config(with_tuned(sweep, ceiling))
+    assert (cfg.client.lr, cfg.partition.kind, cfg.rounds) == (0.003, "centralized", 2)
+    federated = next(r for r in sweep.runs if r.method == "lora" and not r.ceiling)
+    assert build_config(with_tuned(sweep, federated)).client.lr == 0.05
+    with pytest.raises(ConfigError, match=r"client\.lr"):
+        expand({**spec, "ceiling": {**spec["ceiling"], "config": {"client": {"lr": -1}}}})
 
 
 @pytest.mark.slow
