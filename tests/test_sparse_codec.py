@@ -127,7 +127,10 @@ def test_roundtrip_is_exact(state: dict[str, torch.Tensor], density: float, dtyp
     candidates = {"dense": numel * WIDTH[dtype], "bitmask": sent * WIDTH[dtype] + math.ceil(numel / 8),
                   "indices": sent * (WIDTH[dtype] + width)}
     assert payload_bytes(message) == candidates[message_layout(message)]
-    assert payload_bytes(message) <= min(candidates.values()) + 64  # header differences are a few bytes
+    # the codec keeps the shortest whole message, so a layout may win on a payload up to one header entry
+    # larger: bitmask/indices add a second safetensors tensor entry (~60 bytes of JSON, padded to 8), and a
+    # 3x3x6 + 1 + 3x3 + 3x3 fp32 state chose dense at 292 payload bytes over bitmask at 222
+    assert payload_bytes(message) <= min(candidates.values()) + 128
     # idempotent: a decoded message re-encodes to the same tensors (nothing more is lost)
     again = c.decode(c.encode(decoded))
     assert all(torch.equal(again[k], decoded[k]) for k in decoded)
