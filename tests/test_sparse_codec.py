@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -11,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedpeft.config import ConfigError, DirectionCodecConfig
+from fedpeft.federated import sparse_codec
 from fedpeft.federated.codec import CodecError, build_codec
 from fedpeft.federated.sparse_codec import (
+    LAYOUTS,
     index_dtype,
     keep_count,
     message_layout,
@@ -127,10 +130,15 @@ def test_roundtrip_is_exact(state: dict[str, torch.Tensor], density: float, dtyp
     candidates = {"dense": numel * WIDTH[dtype], "bitmask": sent * WIDTH[dtype] + math.ceil(numel / 8),
                   "indices": sent * (WIDTH[dtype] + width)}
     assert payload_bytes(message) == candidates[message_layout(message)]
-    # the codec keeps the shortest whole message, so a layout may win on a payload up to one header entry
-    # larger: bitmask/indices add a second safetensors tensor entry (~60 bytes of JSON, padded to 8), and a
-    # 3x3x6 + 1 + 3x3 + 3x3 fp32 state chose dense at 292 payload bytes over bitmask at 222
-    assert payload_bytes(message) <= min(candidates.values()) + 128
+    # the codec sends the shortest whole message: each layout forced alone has exactly its payload, and none
+    # is shorter than the one chosen (a layout may win on a larger payload, as bitmask/indices carry a second
+    # safetensors header entry: a 3x3x6 + 1 + 3x3 + 3x3 fp32 state went dense at 292 payload bytes, not 222)
+    forced = {}
+    for layout in LAYOUTS:
+        with patch.object(sparse_codec, "LAYOUTS", (layout,)):
+            forced[layout] = c.encode(state)
+        assert message_layout(forced[layout]) == layout and payload_bytes(forced[layout]) == candidates[layout]
+    assert len(message) == min(len(m) for m in forced.values())
     # idempotent: a decoded message re-encodes to the same tensors (nothing more is lost)
     again = c.decode(c.encode(decoded))
     assert all(torch.equal(again[k], decoded[k]) for k in decoded)
