@@ -61,8 +61,10 @@ def section(data: dict[str, Any]) -> list[str]:
             where = f"{cell['task']} / {cell['partition']}"
             values = ", ".join(f"{k} = {v:.4g}" for k, v in cell["values"].items())
             why = f" ({cell['why']})" if cell["why"] else ""
+            paired = cell.get("paired")
+            same_seeds = f"; same seeds: **{paired['verdict']}**, {paired['gap']}" if paired else ""
             lines.append(f"- **{cell['verdict']}**: {claim['claim']} ({claim['source']}; {where}: `{claim['check']}`; "
-                         f"{values}){why}")
+                         f"{values}){why}{same_seeds}")
     if data["claims"]:
         lines.append("")
     return lines
@@ -73,7 +75,9 @@ def render() -> str:
              "std over seeds with a 95% interval (t over seeds; one seed: binomial from the eval size); "
              "'within noise' means the interval overlaps the best method's in the same cell. Verdicts: "
              "confirmed / refuted / within noise (the check holds or fails only inside the intervals) / not reached "
-             "(the claim's baseline ended below 90% of its centralised ceiling, or a value is missing).", ""]
+             "(the claim's baseline ended below 90% of its centralised ceiling, or a value is missing). 'Same seeds': "
+             "the same rule on the gap seed by seed (runs with one seed share their partition and each round's "
+             "clients), with the gaps' 95% t interval.", ""]
     for data in benchmarks():
         lines += section(data)
     lines.append(END)

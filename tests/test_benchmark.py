@@ -113,6 +113,9 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     bytes_claim = results["claims"][0]["cells"][0]
     assert bytes_claim["verdict"] in ("confirmed", "not reached")  # gated only if LoRA missed 90% of its ceiling
     assert "bitfit.uplink" in bytes_claim["values"]
+    # judged seed by seed too: both methods ran seeds 0 and 1
+    assert bytes_claim["paired"]["verdict"] in ("confirmed", "not reached")
+    assert bytes_claim["paired"]["gap"].startswith("same-seed gap +") and "over 2 seeds" in bytes_claim["paired"]["gap"]
     md = (tmp_path / "results" / "toy.md").read_text()
     assert md.startswith("<!-- command: fedpeft sweep") and "## Claims" in md and "A note." in md
     assert (tmp_path / "results" / "toy_curves.png").stat().st_size > 0
@@ -124,6 +127,7 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert main(["sweep", str(path), "--report-only"]) == 0
     partial = json.loads((tmp_path / "results" / "toy.json").read_text())
     assert partial["missing_runs"] == ["toy_iid_bitfit_seed1"] and len(partial["rows"]) == 3
+    assert partial["claims"][0]["cells"][0]["paired"] is None  # one seed in common: no interval of gaps
     assert not (tmp_path / "runs" / "toy_iid_bitfit_seed1" / "summary.json").exists()
     assert "Not finished (left out): toy_iid_bitfit_seed1" in (tmp_path / "results" / "toy.md").read_text()
 

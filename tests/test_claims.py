@@ -1,4 +1,4 @@
-"""Claims: each verdict on hand-made results; the grammar and its errors."""
+"""Claims: each verdict on hand-made results (over intervals and over same-seed gaps); the grammar and its errors."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from fedpeft.claims import (
     Missing,
     gate,
     judge,
+    judge_paired,
     references,
     row_interval,
 )
 from fedpeft.config import ConfigError
+from fedpeft.metrics.stats import t_halfwidth
 
 ROWS = {
     ("iid", "lora"): {"method": "lora", "final_metric": 0.85, "final_metric_ci": [0.83, 0.87],
@@ -63,6 +65,41 @@ def test_values_are_reported_and_gate_needs_the_ceiling() -> None:
     assert gated.verdict == NOT_REACHED and "below 90% of its centralised ceiling" in gated.why
     assert gate(judgement, "lora", 0.85, ceiling=0.93).verdict == WITHIN_NOISE  # 0.85 >= 0.837
     assert gate(judgement, "lora", 0.85, ceiling=None).verdict == WITHIN_NOISE
+
+
+# three seeds where the seed moves every method together: a leads b on every seed by 0.09-0.11
+SEEDS = [{"a": 0.60, "b": 0.50, "c": 0.55}, {"a": 0.80, "b": 0.71, "c": 0.85}, {"a": 0.70, "b": 0.59, "c": 0.66}]
+
+
+def seed_lookup(seed: int):
+    def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Interval:
+        if method not in SEEDS[seed]:
+            raise Missing(f"no {method}")
+        return Interval.exact(SEEDS[seed][method])
+    return lookup
+
+
+def test_same_seed_gaps_separate_what_seed_intervals_cannot() -> None:
+    """Over seeds a (0.70, sd 0.10) and b (0.60, sd 0.105) overlap; seed by seed a leads by 0.10, 0.09
+    and 0.11: mean 0.10, t(2) interval 0.10 +- 4.303 * 0.01 / sqrt(3) = [0.0752, 0.1248]."""
+    def over_seeds(method: str, selector: tuple[str, ...], quantity: str) -> Interval:
+        values = [seed[method] for seed in SEEDS]
+        mean, half = sum(values) / 3, t_halfwidth(values)
+        return Interval(mean - half, mean, mean + half)
+
+    assert judge("a.final > b.final", over_seeds).verdict == WITHIN_NOISE
+    lookups = [seed_lookup(seed) for seed in range(3)]
+    paired = judge_paired("a.final > b.final", lookups)
+    assert paired is not None and paired.verdict == CONFIRMED
+    assert paired.values == pytest.approx({"a.final": 0.70, "b.final": 0.60})
+    assert "same-seed gap +0.1 [+0.07516, +0.1248] over 3 seeds" in paired.why
+    assert judge_paired("b.final > a.final", lookups).verdict == REFUTED
+    # c - b: +0.05, +0.14, +0.07: mean 0.0867, interval [-0.031, +0.204]
+    assert judge_paired("c.final > b.final", lookups).verdict == WITHIN_NOISE
+    assert judge_paired("a.final > b.final and c.final > b.final", lookups).verdict == WITHIN_NOISE
+    assert judge_paired("a.final >= b.final + 0.2", lookups).verdict == REFUTED  # 0.2 beyond every gap
+    assert judge_paired("ghost.final > a.final", lookups).verdict == NOT_REACHED
+    assert judge_paired("a.final > b.final", lookups[:1]) is None  # one seed: no interval of gaps
 
 
 def test_interval_arithmetic() -> None:

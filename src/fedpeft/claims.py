@@ -18,17 +18,25 @@ optimistic end (upper(L - R) < 0), else **within noise**; ``and`` is confirmed w
 refuted when any part is. A claim is **not reached** when its ``baseline`` ends below 90% of its
 centralised ceiling (no conclusion at a budget where the baseline has not learned), or when a
 quantity is missing (e.g. a target never reached).
+
+:func:`judge_paired` judges the same check seed by seed: runs with one seed share their
+partition and the clients drawn each round, so each comparison's gap is taken within a seed and
+judged by the 95% t interval of those gaps. Under label skew most of the spread over seeds is the
+draw that every method shares, which the seeds' intervals cannot separate from the methods'
+difference; a benchmark reports both verdicts.
 """
 
 from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Callable, Mapping
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fedpeft.config import ConfigError
+from fedpeft.metrics.stats import t_halfwidth
 
 CONFIRMED, REFUTED, WITHIN_NOISE, NOT_REACHED = "confirmed", "refuted", "within noise", "not reached"
 CEILING_FRACTION = 0.9
@@ -125,54 +133,106 @@ def _reference(node: ast.Attribute, check: str) -> tuple[str, tuple[str, ...], s
     return target.id, selector, node.attr
 
 
+def _value(node: ast.AST, check: str, lookup: Lookup, values: dict[str, float]) -> Interval:
+    """The interval of an arithmetic expression over references and numbers."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return Interval.exact(float(node.value))
+    if isinstance(node, ast.Attribute):
+        method, selector, quantity = _reference(node, check)
+        interval = lookup(method, selector, quantity)
+        values[ast.unparse(node)] = interval.mid
+        return interval
+    if isinstance(node, ast.UnaryOp):
+        inner = _value(node.operand, check, lookup, values)
+        return -inner if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.BinOp):
+        ops: dict[type, Callable[[Interval, Interval], Interval]] = {
+            ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+        return ops[type(node.op)](_value(node.left, check, lookup, values),
+                                  _value(node.right, check, lookup, values))
+    raise ConfigError("claims.check", f"{ast.unparse(node)!r} is not a number or METHOD.QUANTITY in {check!r}")
+
+
+def _gaps(node: ast.Compare, check: str, lookup: Lookup, values: dict[str, float]) -> list[Interval]:
+    """Each comparison's gap, oriented so that it holds when the gap is positive (or zero if not strict)."""
+    left, out = _value(node.left, check, lookup, values), []
+    for op, right_node in zip(node.ops, node.comparators):
+        right = _value(right_node, check, lookup, values)
+        out.append(left - right if isinstance(op, ast.Gt | ast.GtE) else right - left)
+        left = right
+    return out
+
+
+def _verdict(node: ast.AST, check: str, gaps: Callable[[ast.Compare], list[Interval]]) -> str:
+    if isinstance(node, ast.BoolOp):
+        parts = [_verdict(v, check, gaps) for v in node.values]
+        if isinstance(node.op, ast.And):
+            return _all_of(parts)
+        return CONFIRMED if CONFIRMED in parts else REFUTED if all(p == REFUTED for p in parts) else WITHIN_NOISE
+    if isinstance(node, ast.Compare):
+        out = []
+        for op, gap in zip(node.ops, gaps(node)):
+            strict = isinstance(op, ast.Gt | ast.Lt)
+            holds_low = gap.low > 0 if strict else gap.low >= 0
+            fails_high = gap.high <= 0 if strict else gap.high < 0
+            out.append(CONFIRMED if holds_low else REFUTED if fails_high else WITHIN_NOISE)
+        return _all_of(out)
+    raise ConfigError("claims.check", f"{check!r} must be a comparison (or comparisons joined by and/or)")
+
+
 def judge(check: str, lookup: Lookup) -> Judgement:
     """Evaluate ``check`` with intervals; ``lookup`` raises :class:`Missing` for absent values."""
     tree = _parse(check)
     values: dict[str, float] = {}
-
-    def value(node: ast.AST) -> Interval:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-            return Interval.exact(float(node.value))
-        if isinstance(node, ast.Attribute):
-            method, selector, quantity = _reference(node, check)
-            interval = lookup(method, selector, quantity)
-            values[ast.unparse(node)] = interval.mid
-            return interval
-        if isinstance(node, ast.UnaryOp):
-            inner = value(node.operand)
-            return -inner if isinstance(node.op, ast.USub) else inner
-        if isinstance(node, ast.BinOp):
-            ops: dict[type, Callable[[Interval, Interval], Interval]] = {
-                ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-            return ops[type(node.op)](value(node.left), value(node.right))
-        raise ConfigError("claims.check", f"{ast.unparse(node)!r} is not a number or METHOD.QUANTITY in {check!r}")
-
-    def verdict(node: ast.AST) -> str:
-        if isinstance(node, ast.BoolOp):
-            parts = [verdict(v) for v in node.values]
-            if isinstance(node.op, ast.And):
-                return _all_of(parts)
-            return CONFIRMED if CONFIRMED in parts else REFUTED if all(p == REFUTED for p in parts) else WITHIN_NOISE
-        if isinstance(node, ast.Compare):
-            left, out = value(node.left), []
-            for op, right_node in zip(node.ops, node.comparators):
-                right = value(right_node)
-                gap = left - right if isinstance(op, ast.Gt | ast.GtE) else right - left
-                strict = isinstance(op, ast.Gt | ast.Lt)
-                holds_low = gap.low > 0 if strict else gap.low >= 0
-                fails_high = gap.high <= 0 if strict else gap.high < 0
-                out.append(CONFIRMED if holds_low else REFUTED if fails_high else WITHIN_NOISE)
-                left = right
-            return _all_of(out)
-        raise ConfigError("claims.check", f"{check!r} must be a comparison (or comparisons joined by and/or)")
-
     try:
-        result = verdict(tree.body)
+        result = _verdict(tree.body, check, lambda node: _gaps(node, check, lookup, values))
     except Missing as err:
         return Judgement(NOT_REACHED, values, str(err))
     except ZeroDivisionError as err:
         return Judgement(WITHIN_NOISE, values, str(err))
     return Judgement(result, values)
+
+
+def judge_paired(check: str, lookups: Sequence[Lookup]) -> Judgement | None:
+    """Evaluate ``check`` on same-seed differences: ``lookups`` holds one exact lookup per seed.
+
+    Runs with the same seed share their partition and the clients drawn each round, so under
+    label skew much of the spread over seeds is common to every method (the last round's
+    cohort). Each comparison's gap is computed seed by seed and judged by the 95% t interval of
+    those gaps, as :func:`judge` judges an interval gap. None with fewer than two seeds."""
+    if len(lookups) < 2:
+        return None
+    tree = _parse(check)
+    values: dict[str, list[float]] = {}
+    per_seed: dict[tuple[int, int], list[float]] = {}
+    try:
+        for lookup in lookups:
+            seed_values: dict[str, float] = {}
+            for node in ast.walk(tree.body):
+                if isinstance(node, ast.Compare):
+                    for index, gap in enumerate(_gaps(node, check, lookup, seed_values)):
+                        per_seed.setdefault((id(node), index), []).append(gap.mid)
+            for key, value in seed_values.items():
+                values.setdefault(key, []).append(value)
+    except Missing as err:
+        return Judgement(NOT_REACHED, {}, str(err))
+    except ZeroDivisionError as err:
+        return Judgement(WITHIN_NOISE, {}, str(err))
+
+    def seed_gaps(node: ast.Compare) -> list[Interval]:
+        out = []
+        for index in range(len(node.ops)):
+            gaps = per_seed[(id(node), index)]
+            mean, half = statistics.fmean(gaps), t_halfwidth(gaps)
+            out.append(Interval(mean - half, mean, mean + half))
+        return out
+
+    result = _verdict(tree.body, check, seed_gaps)
+    described = [f"{mean:+.4g} [{low:+.4g}, {high:+.4g}]" for mean, low, high in
+                 ((g.mid, g.low, g.high) for node in ast.walk(tree.body) if isinstance(node, ast.Compare)
+                  for g in seed_gaps(node))]
+    return Judgement(result, {key: statistics.fmean(v) for key, v in values.items()},
+                     f"same-seed gap {', '.join(described)} over {len(lookups)} seeds")
 
 
 def _all_of(parts: list[str]) -> str:
@@ -188,7 +248,8 @@ def gate(judgement: Judgement, baseline: str | None, baseline_final: float | Non
     if baseline_final < CEILING_FRACTION * ceiling:
         return Judgement(NOT_REACHED, judgement.values,
                          f"baseline {baseline} ended at {baseline_final:.3f}, below 90% of its centralised ceiling "
-                         f"{ceiling:.3f} (the check alone says: {judgement.verdict})")
+                         f"{ceiling:.3f} (the check alone says: {judgement.verdict}"
+                         f"{'; ' + judgement.why if judgement.why else ''})")
     return judgement
 
 

@@ -20,7 +20,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from fedpeft.claims import CEILING_FRACTION, Judgement, Missing, gate, judge, row_interval
+from fedpeft.claims import (
+    CEILING_FRACTION,
+    Judgement,
+    Lookup,
+    Missing,
+    gate,
+    judge,
+    judge_paired,
+    references,
+    row_interval,
+)
 from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
 from fedpeft.metrics.report import band, metric_cell
 from fedpeft.metrics.summary import human_bytes
@@ -65,10 +75,14 @@ def ceiling_of(ceilings: Sequence[dict[str, Any]], task: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequence[dict[str, Any]]
-                 ) -> list[dict[str, Any]]:
-    """Each claim's verdict in each cell it applies to (``where``, else every cell)."""
+def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequence[dict[str, Any]],
+                 rows: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Each claim's verdict in each cell it applies to (``where``, else every cell): over the seeds'
+    intervals, and (``paired``) over same-seed differences of the per-seed ``rows``."""
     index = {(r["task"], r["partition"], r["method"]): r for r in summary}
+    seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]] = {}
+    for r in rows:
+        seeds_of.setdefault((r["task"], r["partition"], r["method"]), {})[r["seed"]] = r
     cells = sorted({(r["task"], r["partition"]) for r in summary})
     out = []
     for claim in sweep.spec.claims:
@@ -77,23 +91,46 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
             if claim.where.get("task", task) != task or claim.where.get("partition", partition) != partition:
                 continue
 
-            def lookup(method: str, selector: tuple[str, ...], quantity: str, task: str = task,
-                       partition: str = partition) -> Any:
+            def where(method: str, selector: tuple[str, ...], task: str = task,
+                      partition: str = partition) -> tuple[str, str, str]:
                 cell = (task, *selector) if len(selector) == 1 else selector or (task, partition)
-                row = index.get((cell[0], cell[1], method))
+                return cell[0], cell[1], method
+
+            def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Any:
+                row = index.get(where(method, selector))
                 if row is None:
-                    raise Missing(f"{method} has no results in {cell[0]}/{cell[1]}")
+                    raise Missing(f"{method} has no results in {'/'.join(where(method, selector)[:2])}")
                 return row_interval(row, quantity)
 
             judgement: Judgement = judge(claim.check, lookup)
             base_row = index.get((task, partition, claim.baseline)) if claim.baseline else None
-            judgement = gate(judgement, claim.baseline, base_row["final_metric"] if base_row else None,
-                             ceiling_of(ceilings, task))
+            base_final = base_row["final_metric"] if base_row else None
+            judgement = gate(judgement, claim.baseline, base_final, ceiling_of(ceilings, task))
+            paired = judge_paired(claim.check, _seed_lookups(claim.check, seeds_of, where))
+            gap = paired.why if paired is not None else ""
+            if paired is not None:
+                paired = gate(paired, claim.baseline, base_final, ceiling_of(ceilings, task))
             judged.append({"task": task, "partition": partition, "verdict": judgement.verdict,
-                           "values": judgement.values, "why": judgement.why})
+                           "values": judgement.values, "why": judgement.why,
+                           "paired": None if paired is None else {"verdict": paired.verdict, "why": paired.why,
+                                                                  "gap": gap}})
         out.append({"id": claim.id, "claim": claim.claim, "source": claim.source, "check": claim.check,
                     "baseline": claim.baseline, "cells": judged})
     return out
+
+
+def _seed_lookups(check: str, seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]], where: Any
+                  ) -> list[Lookup]:
+    """One exact lookup per seed that every method the check reads has run (none if one has no runs)."""
+    keys = [where(method, selector) for method, selector, _ in references(check)]
+    common = set.intersection(*(set(seeds_of.get(key, {})) for key in keys)) if keys else set()
+
+    def lookup_for(seed: Any) -> Lookup:
+        def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Any:
+            return row_interval(seeds_of[where(method, selector)][seed], quantity)
+        return lookup
+
+    return [lookup_for(seed) for seed in sorted(common)]
 
 
 def tuning_summary(sweep: Sweep) -> dict[str, Any]:
@@ -116,7 +153,7 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
     summary = aggregate_seeds(rows)
     mark_noise(summary)
     ceilings = aggregate_seeds(ceiling_rows)
-    claims = judge_claims(sweep, summary, ceiling_rows)
+    claims = judge_claims(sweep, summary, ceiling_rows, rows)
     machine = f"{platform.machine()}, {platform.processor() or platform.system()}, python {platform.python_version()}"
     data = {
         "benchmark": name, "command": command, "machine": machine, "description": sweep.spec.description,
@@ -190,16 +227,21 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
     if data["claims"]:
         lines += ["## Claims", "", "Verdicts: **confirmed** (holds at the pessimistic end of the intervals), "
                   "**refuted** (fails even at the optimistic end), **within noise** (the intervals straddle it), "
-                  "**not reached** (the baseline ended below 90% of its centralised ceiling, or a value is missing).",
-                  "", "| claim | source | check | cell | verdict | values |", "|---|---|---|---|---|---|"]
+                  "**not reached** (the baseline ended below 90% of its centralised ceiling, or a value is missing). "
+                  "**same seeds**: the same rule on the per-seed gaps (runs with one seed share their partition "
+                  "and each round's clients), with their 95% t interval.",
+                  "", "| claim | source | check | cell | verdict | same seeds | values |",
+                  "|---|---|---|---|---|---|---|"]
         for claim in data["claims"]:
             for cell in claim["cells"] or [{"task": "-", "partition": "-", "verdict": "not reached", "values": {},
                                             "why": "no cell has results"}]:
                 values = ", ".join(f"{k} = {_fmt_number(v)}" for k, v in cell["values"].items())
                 why = f" ({cell['why']})" if cell["why"] else ""
+                paired = cell.get("paired")
+                same_seeds = f"**{paired['verdict']}** ({paired['why']})" if paired else "-"
                 lines.append(f"| {claim['claim']} | {claim['source']} | `{claim['check']}` | "
                              f"{_cell_title(cell['task'], cell['partition'])} | **{cell['verdict']}**{why} | "
-                             f"{values} |")
+                             f"{same_seeds} | {values} |")
         lines.append("")
     if data["missing_runs"]:
         lines += [f"Not finished (left out): {', '.join(data['missing_runs'])}", ""]
