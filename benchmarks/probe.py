@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegressionCV
+from torch import nn
 
 from fedpeft.config import ModelConfig, build_config
 from fedpeft.data.tasks import load_task, resolve_data_dir
@@ -41,11 +42,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FEATURES = ("first_token", "pooler", "mean", "pooler_of_mean")
 
 
-def features(model_name: str, task: Any, examples: list[Example], max_length: int) -> dict[str, np.ndarray]:
-    """Each pooling's frozen features of ``examples`` (rows in order)."""
+def encoders(model_name: str, task: Any) -> tuple[Any, nn.Module, nn.Module]:
+    """The tokenizer, and the frozen encoder as the default head reads it and with mean pooling."""
     plain = load_backbone(ModelConfig(name=model_name), task, seed=0).model.base_model.eval()
     meaned = load_backbone(ModelConfig(name=model_name, pooling="mean"), task, seed=0)
-    tokenizer, hooked = meaned.tokenizer, meaned.model.base_model.eval()
+    return meaned.tokenizer, plain, meaned.model.base_model.eval()
+
+
+def features(tokenizer: Any, plain: nn.Module, hooked: nn.Module, examples: list[Example],
+             max_length: int) -> dict[str, np.ndarray]:
+    """Each pooling's frozen features of ``examples`` (rows in order)."""
     out: dict[str, list[torch.Tensor]] = {name: [] for name in FEATURES}
     with torch.no_grad():
         for start in range(0, len(examples), 64):
@@ -76,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     task = load_task(cfg.task, resolve_data_dir(args.data_dir))
     train_y = np.array([example.label for example in task.train])
     eval_y = np.array([example.label for example in task.eval])
-    train_x = features(args.model, task, task.train, args.max_length)
-    eval_x = features(args.model, task, task.eval, args.max_length)
+    models = encoders(args.model, task)
+    train_x = features(*models, task.train, args.max_length)
+    eval_x = features(*models, task.eval, args.max_length)
     rows = []
     for name, x in train_x.items():
         probe = LogisticRegressionCV(Cs=[0.01, 0.1, 1.0, 10.0, 100.0], cv=5, max_iter=5000).fit(x, train_y)

@@ -203,36 +203,31 @@ def judge_paired(check: str, lookups: Sequence[Lookup]) -> Judgement | None:
     if len(lookups) < 2:
         return None
     tree = _parse(check)
+    compares = [node for node in ast.walk(tree.body) if isinstance(node, ast.Compare)]
     values: dict[str, list[float]] = {}
-    per_seed: dict[tuple[int, int], list[float]] = {}
+    per_seed: dict[ast.Compare, list[list[float]]] = {node: [[] for _ in node.ops] for node in compares}
     try:
         for lookup in lookups:
             seed_values: dict[str, float] = {}
-            for node in ast.walk(tree.body):
-                if isinstance(node, ast.Compare):
-                    for index, gap in enumerate(_gaps(node, check, lookup, seed_values)):
-                        per_seed.setdefault((id(node), index), []).append(gap.mid)
+            for node in compares:
+                for gaps, gap in zip(per_seed[node], _gaps(node, check, lookup, seed_values)):
+                    gaps.append(gap.mid)
             for key, value in seed_values.items():
                 values.setdefault(key, []).append(value)
     except Missing as err:
         return Judgement(NOT_REACHED, {}, str(err))
     except ZeroDivisionError as err:
         return Judgement(WITHIN_NOISE, {}, str(err))
-
-    def seed_gaps(node: ast.Compare) -> list[Interval]:
-        out = []
-        for index in range(len(node.ops)):
-            gaps = per_seed[(id(node), index)]
-            mean, half = statistics.fmean(gaps), t_halfwidth(gaps)
-            out.append(Interval(mean - half, mean, mean + half))
-        return out
-
-    result = _verdict(tree.body, check, seed_gaps)
-    described = [f"{mean:+.4g} [{low:+.4g}, {high:+.4g}]" for mean, low, high in
-                 ((g.mid, g.low, g.high) for node in ast.walk(tree.body) if isinstance(node, ast.Compare)
-                  for g in seed_gaps(node))]
+    intervals = {node: [_t_interval(gaps) for gaps in per_op] for node, per_op in per_seed.items()}
+    result = _verdict(tree.body, check, intervals.__getitem__)
+    described = [f"{g.mid:+.4g} [{g.low:+.4g}, {g.high:+.4g}]" for node in compares for g in intervals[node]]
     return Judgement(result, {key: statistics.fmean(v) for key, v in values.items()},
                      f"same-seed gap {', '.join(described)} over {len(lookups)} seeds")
+
+
+def _t_interval(values: list[float]) -> Interval:
+    mean, half = statistics.fmean(values), t_halfwidth(values)
+    return Interval(mean - half, mean, mean + half)
 
 
 def _all_of(parts: list[str]) -> str:

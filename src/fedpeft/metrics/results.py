@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +104,12 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
 
             judgement: Judgement = judge(claim.check, lookup)
             base_row = index.get((task, partition, claim.baseline)) if claim.baseline else None
-            base_final = base_row["final_metric"] if base_row else None
-            judgement = gate(judgement, claim.baseline, base_final, ceiling_of(ceilings, task))
+            base_final, ceiling = base_row["final_metric"] if base_row else None, ceiling_of(ceilings, task)
+            judgement = gate(judgement, claim.baseline, base_final, ceiling)
             paired = judge_paired(claim.check, _seed_lookups(claim.check, seeds_of, where))
             gap = paired.why if paired is not None else ""
             if paired is not None:
-                paired = gate(paired, claim.baseline, base_final, ceiling_of(ceilings, task))
+                paired = gate(paired, claim.baseline, base_final, ceiling)
             judged.append({"task": task, "partition": partition, "verdict": judgement.verdict,
                            "values": judgement.values, "why": judgement.why,
                            "paired": None if paired is None else {"verdict": paired.verdict, "why": paired.why,
@@ -119,8 +119,8 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
     return out
 
 
-def _seed_lookups(check: str, seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]], where: Any
-                  ) -> list[Lookup]:
+def _seed_lookups(check: str, seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]],
+                  where: Callable[[str, tuple[str, ...]], tuple[str, str, str]]) -> list[Lookup]:
     """One exact lookup per seed that every method the check reads has run (none if one has no runs)."""
     keys = [where(method, selector) for method, selector, _ in references(check)]
     common = set.intersection(*(set(seeds_of.get(key, {})) for key in keys)) if keys else set()
