@@ -144,9 +144,10 @@ class ModelConfig(_Strict):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     quantization: Literal["none", "4bit", "8bit"] = "none"
     # what an encoder's sequence classifier reads: ``head`` the model class's own (the first token),
-    # ``mean`` the masked mean of the last layer, as sentence encoders (MiniLM, MPNet) were trained
+    # ``mean`` the masked mean of the last layer, as sentence encoders (MiniLM, MPNet) were trained,
+    # ``mean_no_pooler`` that mean straight into the classifier, past BERT's frozen pretrained pooler
     # (fedpeft.models.pooling)
-    pooling: Literal["head", "mean"] = "head"
+    pooling: Literal["head", "mean", "mean_no_pooler"] = "head"
 
 
 class AdapterConfig(_Strict):

@@ -264,9 +264,10 @@ def check_exportable(run: Run, fmt: str) -> None:
     kind, head, architecture = run.cfg.adapter.kind, run.backbone.head, run.backbone.architecture
     if fmt == "bundle":
         return
-    if run.cfg.model.pooling == "mean":
-        raise ExportError(f"--format {fmt}: model.pooling mean feeds the head the mean of the encoder's output "
-                          "through fedpeft's hooks, which transformers' classes do not do; use --format bundle")
+    if run.cfg.model.pooling != "head":
+        raise ExportError(f"--format {fmt}: model.pooling {run.cfg.model.pooling} feeds the head the mean of the "
+                          "encoder's output through fedpeft's hooks, which transformers' classes do not do; "
+                          "use --format bundle")
     if head == "masked_lm":
         raise ExportError(f"--format {fmt}: a masked_lm head reads label words through fedpeft's verbalizer, "
                           "which transformers has no class for; use --format bundle")

@@ -251,15 +251,15 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int, device: torch.dev
     architecture = architecture_of(config)
     head: Head = default_head(architecture, task) if cfg.head == "auto" else cfg.head
     _check_head(head, architecture, task)
-    if cfg.pooling == "mean" and (architecture != "encoder" or head != "sequence_classification"):
+    if cfg.pooling != "head" and (architecture != "encoder" or head != "sequence_classification"):
         raise ConfigError("model.pooling", f"mean pooling is for an encoder's sequence_classification head, "
                                            f"not a {architecture} with a {head} head")
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     quantization = quantization_kwargs(cfg, device or torch.device("cpu"), HEAD_MODULE_NAMES)
     loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation, quantization)
-    if cfg.pooling == "mean":
-        attach_mean_pooling(loaded)
+    if cfg.pooling != "head":
+        attach_mean_pooling(loaded, skip_pooler=cfg.pooling == "mean_no_pooler")
     new_ids = {id(param) for name, param in loaded.named_parameters() if name in not_in_checkpoint}
     model, template = loaded, None
     if head == "masked_lm":

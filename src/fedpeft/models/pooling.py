@@ -14,6 +14,14 @@ own parameters and names (BERT's pooler then sees the mean: 0.790 by the same pr
 a soft prompt adds count as tokens; a deep prompt's prefix is not a position of the output and is
 left out. Only position 0 of the encoder's output changes (it is also the last entry of
 ``output_hidden_states``); the layers' inner states are untouched.
+
+With ``mean_no_pooler`` the mean goes straight to the classifier, skipping BERT's pooler, as a
+sentence-transformers user puts a linear layer on the sentence embedding. The pooler's dense +
+tanh was pretrained for next-sentence prediction, which all-MiniLM-L6-v2's training never used, and
+stays frozen under PEFT; the linear probe reads 0.794 on the mean and 0.790 through the pooler, so
+the two differ in what gradient descent sees (a frozen tanh that can saturate), not in what a
+linear head can separate. Only models with a pooler (BERT's family) take it; for the others
+``mean`` already reads the mean with the head's own trainable layers.
 """
 
 from __future__ import annotations
@@ -56,12 +64,18 @@ def _first_token_is_mean(module: nn.Module, args: tuple[Any, ...], kwargs: dict[
     return output
 
 
-def attach_mean_pooling(model: nn.Module) -> None:
+def _pooler_passes_first_token(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return hidden[:, 0]
+
+
+def attach_mean_pooling(model: nn.Module, skip_pooler: bool = False) -> None:
     """Make ``model``'s classification head read the masked mean of the encoder's last layer.
 
     Hooks on the base model (which receives the attention mask, already extended by any prompt)
     and on its encoder stack; no parameter is added or renamed, so checkpoints, adapters and
-    exports see the same names."""
+    exports see the same names. ``skip_pooler`` makes the base model's pooler pass position 0 (the
+    mean) through unchanged; a model without one is refused."""
     base = getattr(model, "base_model", None)
     stack_name = next((name for name in ENCODER_STACKS if isinstance(getattr(base, name, None), nn.Module)), None)
     if base is None or base is model or stack_name is None:
@@ -69,3 +83,9 @@ def attach_mean_pooling(model: nn.Module) -> None:
                                            f"{', '.join(ENCODER_STACKS)}; {type(model).__name__} has none")
     base.register_forward_pre_hook(partial(_capture_mask, stack_name), with_kwargs=True)
     getattr(base, stack_name).register_forward_hook(_first_token_is_mean, with_kwargs=True)
+    if skip_pooler:
+        pooler = getattr(base, "pooler", None)
+        if not isinstance(pooler, nn.Module):
+            raise ConfigError("model.pooling", f"mean_no_pooler skips a pretrained pooler, and "
+                                               f"{type(model).__name__} has none; use mean")
+        pooler.register_forward_hook(_pooler_passes_first_token, with_kwargs=True)
