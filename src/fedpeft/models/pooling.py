@@ -18,10 +18,13 @@ left out. Only position 0 of the encoder's output changes (it is also the last e
 With ``mean_no_pooler`` the mean goes straight to the classifier, skipping BERT's pooler, as a
 sentence-transformers user puts a linear layer on the sentence embedding. The pooler's dense +
 tanh was pretrained for next-sentence prediction, which all-MiniLM-L6-v2's training never used, and
-stays frozen under PEFT; the linear probe reads 0.794 on the mean and 0.790 through the pooler, so
-the two differ in what gradient descent sees (a frozen tanh that can saturate), not in what a
-linear head can separate. Only models with a pooler (BERT's family) take it; for the others
-``mean`` already reads the mean with the head's own trainable layers.
+stays frozen under PEFT. A linear probe separates the two nearly equally (0.794 on the mean,
+0.790 through the pooler), yet trained federated on the same setting LoRA ends at 0.740 +- 0.055
+past the pooler against 0.701 +- 0.075 through it, and prompt tuning at 0.748 against 0.679 (3
+seeds, ``benchmarks/results/pooling.md``; higher on every seed, within noise over three): the
+frozen tanh seems to hinder training more than separation. Only models with a pooler (BERT's
+family) take it; for the others ``mean`` already reads the mean with the head's own trainable
+layers.
 """
 
 from __future__ import annotations
