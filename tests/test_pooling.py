@@ -41,10 +41,12 @@ def test_the_head_reads_the_masked_mean_of_the_last_layer(name: str, pooling: st
         mean = masked_mean(last, batch["attention_mask"])
         manual = (last * batch["attention_mask"].unsqueeze(-1)).sum(1) / batch["attention_mask"].sum(1, keepdim=True)
         torch.testing.assert_close(mean, manual)
-        if pooling == "mean_no_pooler" or name == "tiny-roberta":
-            expected = model.classifier(mean if pooling == "mean_no_pooler" else mean.unsqueeze(1))
+        if pooling == "mean_no_pooler":
+            expected = model.classifier(mean)  # BERT's classifier on the mean itself
+        elif name == "tiny-bert":
+            expected = model.classifier(torch.tanh(model.bert.pooler.dense(mean)))  # the pooler's dense + tanh
         else:
-            expected = model.classifier(torch.tanh(model.bert.pooler.dense(mean)))
+            expected = model.classifier(mean.unsqueeze(1))  # RoBERTa's head reads position 0 of (B, L, H)
         plain_logits = plain(**batch).logits
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(logits, plain_logits, atol=1e-4)  # the same weights read the first token otherwise
@@ -84,8 +86,10 @@ def test_skipping_the_pooler_is_refused_where_there_is_none() -> None:
         load_backbone(ModelConfig(name="tiny-roberta", pooling="mean_no_pooler"), TASK, seed=0)
 
 
-@pytest.mark.parametrize("pooling", ["mean", "mean_no_pooler"])
-def test_learns_and_exports_as_a_bundle_only(pooling: str, toy_files: tuple[Path, Path], tmp_path: Path,
+# mean_no_pooler plateaus near 0.73 on the tiny random BERT (its classifier reads the un-squashed
+# mean); 0.70 is 3.2 standard errors above chance (0.5 on 64 balanced examples)
+@pytest.mark.parametrize("pooling,bound", [("mean", 0.75), ("mean_no_pooler", 0.70)])
+def test_learns_and_exports_as_a_bundle_only(pooling: str, bound: float, toy_files: tuple[Path, Path], tmp_path: Path,
                                              single_torch_thread: None) -> None:
     train, eval_ = toy_files
     raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=10, client={"local_epochs": 2},
@@ -93,7 +97,7 @@ def test_learns_and_exports_as_a_bundle_only(pooling: str, toy_files: tuple[Path
     records = LocalEngine(prepare(build_config(raw)), tmp_path / "run").run()
     accuracies = [r["eval"]["accuracy"] for r in records]
     assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]
-    assert max(accuracies[-3:]) >= 0.70, str(accuracies)  # chance 0.5 on 64 balanced examples, 0.70 is 3.2 SE above
+    assert max(accuracies[-3:]) >= bound, str(accuracies)
     for fmt in ("peft", "merged"):
         with pytest.raises(ExportError, match=f"--format {fmt}: model.pooling {pooling} "):
             export_run(tmp_path / "run", tmp_path / fmt, fmt)
