@@ -10,9 +10,10 @@ Then the fp32 MiniLM workload on Flower's Simulation Engine (Ray; one virtual Su
 the GPU shared by the ClientApp workers through ``client-resources-num-gpus``) when ``flwr[simulation]``
 is installed, else recorded as skipped with the reason.
 
-A GPU owner runs ``python benchmarks/device.py --device cuda --rounds 5 --clients 8 --examples 64``;
-the committed results are a small CPU run (``--device cpu``, the defaults below, one thread).
-Writes benchmarks/results/device.{json,md} and device.png.
+A GPU owner runs ``python benchmarks/device.py --device cuda --rounds 5 --clients 8 --examples 64``.
+Writes benchmarks/results/device.{json,md,png} for a CPU run and device_<type>.{json,md,png} for an
+accelerator (``device_cuda.*``), so each device's committed results sit side by side: a small CPU run
+(``--device cpu``, the defaults below, one thread) and the command above on an NVIDIA H200.
 """
 
 from __future__ import annotations
@@ -217,10 +218,11 @@ def main() -> None:
         "runs": runs,
         "flower_simulation": flower,
     }
+    stem = "device" if device.type == "cpu" else f"device_{device.type}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "device.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "device.md").write_text(markdown(result))
-    plot(result, args.out / "device.png")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(result))
+    plot(result, args.out / f"{stem}.png")
     print(markdown(result))
 
 
