@@ -174,3 +174,24 @@ def test_readme_results_match_the_committed_results() -> None:
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "suite.py"), "--check"], cwd=root,
                           capture_output=True, text=True)
     assert done.returncode == 0, "README.md is out of date: run python benchmarks/suite.py"
+
+
+def test_crowded_panels_get_distinct_styles_and_an_outside_legend() -> None:
+    """A benchmark of every recipe (25 methods) must stay readable: no two methods share a colour and
+    line style, and the legend sits right of the axes instead of over the curves."""
+    import matplotlib.pyplot as plt
+
+    from fedpeft.metrics.results import CROWDED, _legend, _style
+
+    styles = {(tuple(_style(i)["color"]), _style(i)["linestyle"]) for i in range(25)}
+    assert len(styles) == 25
+    for count, outside in ((CROWDED, False), (CROWDED + 1, True)):
+        fig, ax = plt.subplots()
+        for i in range(count):
+            ax.plot([0, 1], [i, i], label=str(i))
+        _legend(ax, count)
+        fig.canvas.draw()
+        legend_box = ax.get_legend().get_window_extent()
+        axes_box = ax.get_window_extent()
+        assert bool(legend_box.x0 >= axes_box.x1) is outside
+        plt.close(fig)

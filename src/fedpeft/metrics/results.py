@@ -265,10 +265,26 @@ def _fmt_number(value: float) -> str:
     return f"{value:.4g}" if abs(value) < 1e4 else human_bytes(value) if value < 1e12 else f"{value:.3g}"
 
 
-def _footer(fig: Any, command: str) -> None:
-    """Every figure says which command made it (bands: 95% intervals over seeds)."""
+def _footer(fig: Any, command: str, note: str = "bands and bars: 95% intervals") -> None:
+    """Every figure says which command made it and what its bands and bars are."""
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.text(0.01, 0.01, f"{command}   (bands and bars: 95% intervals)", fontsize=7, color="#555")
+    fig.text(0.01, 0.01, f"{command}   ({note})", fontsize=7, color="#555")
+
+
+CROWDED = 8
+"""More methods than this in one panel: distinct colours (tab20, then dashed) and the legend outside."""
+
+
+def _style(index: int) -> dict[str, Any]:
+    """Colour and line style of the index-th method of a panel: tab20's 20 colours, solid then dashed."""
+    return {"color": plt.get_cmap("tab20")(index % 20), "linestyle": "-" if index < 20 else "--"}
+
+
+def _legend(ax: Any, count: int) -> None:
+    if count <= CROWDED:
+        ax.legend(fontsize=7)
+    else:  # outside the axes, so it hides no curve or title
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if count <= 22 else 2)
 
 
 def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, Any]],
@@ -285,39 +301,47 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
     ceiling = {r["task"]: r["best_metric"] for r in ceilings}
     columns = min(3, len(by_cell))
     rows_n = (len(by_cell) + columns - 1) // columns
-    fig, axes = plt.subplots(rows_n, columns, figsize=(5.2 * columns, 3.8 * rows_n), squeeze=False)
+    most = max(len(methods) for methods in by_cell.values())
+    width = 5.2 + (0 if most <= CROWDED else 2.4 if most <= 22 else 4.4)
+    fig, axes = plt.subplots(rows_n, columns, figsize=(width * columns, 3.8 * rows_n), squeeze=False)
     for ax, ((task, partition), methods) in zip(axes.flat, sorted(by_cell.items())):
         metric = next(iter(methods.values()))[0].metric
-        for method, runs in methods.items():
+        for index, (method, runs) in enumerate(methods.items()):
             rounds, means, lows, highs = band(runs, metric)
-            line, = ax.plot(rounds, means, marker=".", ms=4, label=f"{method} ({len(runs)})")
-            ax.fill_between(rounds, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
+            style = _style(index) if len(methods) > CROWDED else {}
+            line, = ax.plot(rounds, means, marker=".", ms=4, label=f"{method} ({len(runs)})", **style)
+            # crowded panels: bands would cover each other, so only the lines (the table has the intervals)
+            ax.fill_between(rounds, lows, highs, color=line.get_color(), alpha=0.15 if len(methods) <= CROWDED else 0,
+                            linewidth=0)
         if ceiling.get(task) is not None:
             ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
         ax.set(title=_cell_title(task, partition), xlabel="round", ylabel=metric)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, len(methods) + 1)
     for ax in list(axes.flat)[len(by_cell):]:
         ax.set_visible(False)
-    _footer(fig, command)
+    _footer(fig, command, "bands: 95% intervals" if most <= CROWDED else
+            "lines: mean over seeds; with this many methods the intervals are in the table and the tradeoff figure")
     curves = folder / f"{name}_curves.png"
     fig.savefig(curves, dpi=110)
     plt.close(fig)
 
     cells = sorted({(r["task"], r["partition"]) for r in summary})
-    fig, axes = plt.subplots(1, len(cells), figsize=(5.2 * len(cells), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(cells), figsize=(width * len(cells), 3.8), squeeze=False)
     for ax, (task, partition) in zip(axes[0], cells):
-        for row in (r for r in summary if (r["task"], r["partition"]) == (task, partition)):
+        rows = [r for r in summary if (r["task"], r["partition"]) == (task, partition)]
+        for index, row in enumerate(rows):
             ci = row.get("final_metric_ci") or [row["final_metric"]] * 2
+            style = {"color": _style(index)["color"], "fmt": "os"[index // 20 % 2]} if len(rows) > CROWDED else {}
             ax.errorbar(row["uplink_bytes_per_client_round"], row["final_metric"],
-                        yerr=[[row["final_metric"] - ci[0]], [ci[1] - row["final_metric"]]], fmt="o", capsize=3,
-                        label=row["method"])
+                        yerr=[[row["final_metric"] - ci[0]], [ci[1] - row["final_metric"]]], capsize=3,
+                        label=row["method"], **{"fmt": "o", **style})
         if ceiling.get(task) is not None:
             ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
         ax.set_xscale("log")
         ax.set(title=_cell_title(task, partition), xlabel="uplink bytes / client / round", ylabel="final metric")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, len(rows) + 1)
     _footer(fig, command)
     tradeoff = folder / f"{name}_tradeoff.png"
     fig.savefig(tradeoff, dpi=110)
