@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from engines import flower_run, steady
-from fedpeft.devices import resolve_device
+from fedpeft.devices import device_name, resolve_device
 from fedpeft.metrics.recorder import load_metrics
 
 RESULTS = Path(__file__).parent / "results"
@@ -125,16 +125,6 @@ def flower_simulation(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             "gpus_per_client": gpus}
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what platform knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"Command: `{result['command']}`\n", f"# Device benchmark ({result['label']})\n",
              f"Machine: {result['machine']}  ", f"Device: {result['device']}  ", f"Workload: {result['workload']}\n",
@@ -204,7 +194,7 @@ def main() -> None:
                         else {p: {"skipped": reason} for p in precisions})
                 for model, reason in model_aliases().items()}
         flower = flower_simulation(work, args)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    name = device_name(device)
     result = {
         "command": " ".join([COMMAND, *sys.argv[1:]]),
         "benchmark": "device",

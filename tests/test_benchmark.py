@@ -118,6 +118,10 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert bytes_claim["paired"]["gap"].startswith("same-seed gap +") and "over 2 seeds" in bytes_claim["paired"]["gap"]
     md = (tmp_path / "results" / "toy.md").read_text()
     assert md.startswith("<!-- command: fedpeft sweep") and "## Claims" in md and "A note." in md
+    # where the runs computed, read from each run's summary (the report may be written elsewhere)
+    (where, count), = results["computed_on"].items()
+    assert where.startswith("cpu (") and ", fp32, torch " in where and count == 5  # 4 runs + the ceiling
+    assert f"Runs computed on: {where} (5 runs)" in md
     assert (tmp_path / "results" / "toy_curves.png").stat().st_size > 0
     assert (tmp_path / "results" / "toy_tradeoff.png").stat().st_size > 0
     # finished work is skipped: a second call only rewrites the results

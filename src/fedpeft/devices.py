@@ -18,9 +18,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import platform
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +52,20 @@ def device_problem(name: str) -> str | None:
     if name == "mps" and not torch.backends.mps.is_available():
         return "mps needs Apple Metal (MPS), which this machine lacks; use cpu or auto"
     return None
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's or the CPU's model name (``NVIDIA H200``, ``AMD EPYC 7B13``); MPS: ``Apple MPS``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple MPS"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,6 +155,11 @@ class Placement:
         if self.precision == "fp32":
             return nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def describe(self) -> str:
+        """Where and how this process computes, for a run's summary: ``cuda:0 (NVIDIA H200), fp32,
+        torch 2.11.0+cu130`` (a run's numbers depend on the device's kernels, so a result says it)."""
+        return f"{self.device} ({device_name(self.device)}), {self.precision}, torch {torch.__version__}"
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""

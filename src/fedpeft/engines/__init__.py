@@ -38,7 +38,9 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
 
     records = engine.run(resume=resume, on_round=report)
     summary = summarize(records, metric)
-    summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind)
+    # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
+    summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
+                   computed_on=exp.slot.placement.describe())
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "

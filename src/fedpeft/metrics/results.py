@@ -161,7 +161,7 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
         "tune": None if sweep.spec.tune is None else sweep.spec.tune.model_dump(),
         "rows": [{k: r.get(k) for k in SPEC_FIELDS} for r in rows],
         "summary": summary, "ceilings": ceilings, "claims": claims, "tuning": tuning_summary(sweep),
-        "missing_runs": missing, "notes": sweep.spec.notes,
+        "missing_runs": missing, "notes": sweep.spec.notes, "computed_on": computed_on(sweep),
     }
     paths = {"json": folder / f"{name}.json", "md": folder / f"{name}.md"}
     paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -170,13 +170,29 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
     return {**paths, **{f"png{i}": p for i, p in enumerate(figures)}}
 
 
+def computed_on(sweep: Sweep) -> dict[str, int]:
+    """How many finished runs computed on each device (``summary.json``'s ``computed_on``; runs written
+    before it was recorded count as ``not recorded``): the report may be written elsewhere."""
+    counts: dict[str, int] = {}
+    for run in sweep.runs:
+        path = run.run_dir / "summary.json"
+        if path.exists():
+            where = json.loads(path.read_text()).get("computed_on", "not recorded")
+            counts[where] = counts.get(where, 0) + 1
+    return counts
+
+
 def _cell_title(task: str, partition: str) -> str:
     return f"{task} / {partition}" if partition else task
 
 
 def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
     lines = [f"<!-- command: {data['command']} -->", f"# Benchmark `{data['benchmark']}`", "",
-             f"Command: `{data['command']}`  ", f"Machine: {data['machine']}", ""]
+             f"Command: `{data['command']}`  ", f"Machine: {data['machine']}  "]
+    if data.get("computed_on"):
+        lines.append("Runs computed on: " + "; ".join(f"{where} ({n} run{'s' * (n != 1)})"
+                                                      for where, n in data["computed_on"].items()))
+    lines.append("")
     if data["description"]:
         lines += [data["description"].strip(), ""]
     tune = data["tune"]
