@@ -199,3 +199,43 @@ def test_crowded_panels_get_distinct_styles_and_an_outside_legend() -> None:
         axes_box = ax.get_window_extent()
         assert bool(legend_box.x0 >= axes_box.x1) is outside
         plt.close(fig)
+
+
+def test_runs_start_when_their_own_tune_is_done_not_every_tune() -> None:
+    """Two workers, a slow tune A and a quick tune B: B's runs (and an untuned run) go ahead on the
+    worker B freed while A is still tuning; A's run waits for A alone."""
+    import threading
+    from types import SimpleNamespace
+
+    from fedpeft.sweep import schedule
+
+    release_a = threading.Event()
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def log(event: str) -> None:
+        with lock:
+            events.append(event)
+
+    def do_tune(key: str) -> None:
+        if key == "A":
+            assert release_a.wait(timeout=30)
+        log(f"tune {key}")
+
+    def do_run(run: SimpleNamespace) -> None:
+        log(f"run {run.name}")
+
+    runs = [SimpleNamespace(name=name, tune_key=key) for name, key in
+            (("a0", "A"), ("b0", "B"), ("free", None), ("b1", "B"))]
+    sweep = SimpleNamespace(tunes={"A": None, "B": None}, runs=runs)
+    worker = threading.Thread(target=schedule, args=(sweep, 2, do_tune, do_run))
+    worker.start()
+    for _ in range(300):  # until B's runs and the untuned run are done (A is still blocked)
+        with lock:
+            if len(events) == 4:
+                break
+        threading.Event().wait(0.01)
+    assert events == ["tune B", "run b0", "run free", "run b1"]  # seed-major order among ready runs
+    release_a.set()
+    worker.join(timeout=30)
+    assert events[4:] == ["tune A", "run a0"]

@@ -45,8 +45,9 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -384,7 +385,8 @@ def _fedpeft(args: list[str], log: Path) -> int:
 
 def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
               say: Callable[[str], None] = print) -> Sweep:
-    """Tune (once per method and task or cell), then run every seed and ceiling; skip what is done."""
+    """Tune (once per method and task or cell) and run every seed and ceiling, each run once its own tune has
+    finished (:func:`schedule`); skip what is done."""
     sweep = load_sweep(path)
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
@@ -429,7 +431,37 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         code = _fedpeft(args + extra, logs / f"{run.name}.log")
         say(f"{run.name}: " + ("done" if code == 0 else f"failed (see {logs / f'{run.name}.log'})"))
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(do_tune, sorted(sweep.tunes)))
-        list(pool.map(do_run, sweep.runs))
+    schedule(sweep, workers, do_tune, do_run)
     return sweep
+
+
+def schedule(sweep: Sweep, workers: int, do_tune: Callable[[str], None], do_run: Callable[[SweepRun], None]) -> None:
+    """Run every tune and run, ``workers`` at a time. Tunes start first (they are the long poles);
+    a worker with no tune left to start takes the first run (in the sweep's seed-major order) whose
+    own tune has finished, so a run never waits for another method's tune, and no worker idles
+    while one method is still tuning and another's runs are ready."""
+    tunes, runs = sorted(sweep.tunes), list(sweep.runs)
+    tuned: set[str] = set()
+    in_flight: dict[Future[None], str | None] = {}  # -> the tune's key (None: a run)
+
+    def next_job() -> tuple[Callable[[], None], str | None] | None:
+        if tunes:
+            key = tunes.pop(0)
+            return partial(do_tune, key), key
+        for index, run in enumerate(runs):
+            if run.tune_key is None or run.tune_key not in sweep.tunes or run.tune_key in tuned:
+                return partial(do_run, runs.pop(index)), None
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        while True:
+            while len(in_flight) < max(1, workers) and (job := next_job()) is not None:
+                in_flight[pool.submit(job[0])] = job[1]
+            if not in_flight:
+                return
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in done:
+                key = in_flight.pop(future)
+                future.result()
+                if key is not None:
+                    tuned.add(key)  # finished or failed: its runs go ahead (a failed tune's runs say why they skip)
