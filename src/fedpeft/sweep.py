@@ -440,7 +440,7 @@ def schedule(sweep: Sweep, workers: int, do_tune: Callable[[str], None], do_run:
     a worker with no tune left to start takes the first run (in the sweep's seed-major order) whose
     own tune has finished, so a run never waits for another method's tune, and no worker idles
     while one method is still tuning and another's runs are ready."""
-    tunes, runs = sorted(sweep.tunes), list(sweep.runs)
+    tunes, runs, workers = sorted(sweep.tunes), list(sweep.runs), max(1, workers)
     tuned: set[str] = set()
     in_flight: dict[Future[None], str | None] = {}  # -> the tune's key (None: a run)
 
@@ -453,9 +453,9 @@ def schedule(sweep: Sweep, workers: int, do_tune: Callable[[str], None], do_run:
                 return partial(do_run, runs.pop(index)), None
         return None
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         while True:
-            while len(in_flight) < max(1, workers) and (job := next_job()) is not None:
+            while len(in_flight) < workers and (job := next_job()) is not None:
                 in_flight[pool.submit(job[0])] = job[1]
             if not in_flight:
                 return

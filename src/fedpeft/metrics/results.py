@@ -62,10 +62,14 @@ def collect(sweep: Sweep) -> tuple[list[dict[str, Any]], list[dict[str, Any]], l
     """(federated rows, ceiling rows, runs not finished) of the sweep's run directories."""
     rows, ceilings, missing = [], [], []
     for run in sweep.runs:
-        if not (run.run_dir / "summary.json").exists():
+        summary = run.run_dir / "summary.json"
+        if not summary.exists():
             missing.append(run.name)
             continue
-        (ceilings if run.ceiling else rows).append(seed_row(sweep, run, load_run(run.run_dir)))
+        row = seed_row(sweep, run, load_run(run.run_dir))
+        # where it computed (runs written before summaries recorded it: "not recorded")
+        row["computed_on"] = json.loads(summary.read_text()).get("computed_on", "not recorded")
+        (ceilings if run.ceiling else rows).append(row)
     return rows, ceilings, missing
 
 
@@ -161,7 +165,7 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
         "tune": None if sweep.spec.tune is None else sweep.spec.tune.model_dump(),
         "rows": [{k: r.get(k) for k in SPEC_FIELDS} for r in rows],
         "summary": summary, "ceilings": ceilings, "claims": claims, "tuning": tuning_summary(sweep),
-        "missing_runs": missing, "notes": sweep.spec.notes, "computed_on": computed_on(sweep),
+        "missing_runs": missing, "notes": sweep.spec.notes, "computed_on": computed_on([*rows, *ceiling_rows]),
     }
     paths = {"json": folder / f"{name}.json", "md": folder / f"{name}.md"}
     paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -170,15 +174,12 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
     return {**paths, **{f"png{i}": p for i, p in enumerate(figures)}}
 
 
-def computed_on(sweep: Sweep) -> dict[str, int]:
-    """How many finished runs computed on each device (``summary.json``'s ``computed_on``; runs written
-    before it was recorded count as ``not recorded``): the report may be written elsewhere."""
+def computed_on(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many finished runs (federated and ceiling rows of :func:`collect`) computed on each device:
+    the report may be written on another machine than its runs."""
     counts: dict[str, int] = {}
-    for run in sweep.runs:
-        path = run.run_dir / "summary.json"
-        if path.exists():
-            where = json.loads(path.read_text()).get("computed_on", "not recorded")
-            counts[where] = counts.get(where, 0) + 1
+    for row in rows:
+        counts[row["computed_on"]] = counts.get(row["computed_on"], 0) + 1
     return counts
 
 
@@ -289,18 +290,29 @@ def _footer(fig: Any, command: str, note: str = "bands and bars: 95% intervals")
 
 CROWDED = 8
 """More methods than this in one panel: distinct colours (tab20, then dashed) and the legend outside."""
+LEGEND_WIDTH = {0: 0.0, 1: 2.4, 2: 4.4}
+"""Inches a figure widens per panel for a legend of that many columns outside the axes (0: inside)."""
 
 
 def _style(index: int) -> dict[str, Any]:
-    """Colour and line style of the index-th method of a panel: tab20's 20 colours, solid then dashed."""
-    return {"color": plt.get_cmap("tab20")(index % 20), "linestyle": "-" if index < 20 else "--"}
+    """Colour, line style and marker of the index-th method of a panel: tab20's 20 colours, then again
+    dashed with square markers."""
+    second = index // 20 % 2
+    return {"color": plt.get_cmap("tab20")(index % 20), "linestyle": "-" if not second else "--",
+            "marker": "os"[second]}
 
 
-def _legend(ax: Any, count: int) -> None:
-    if count <= CROWDED:
+def _legend_columns(entries: int) -> int:
+    """0: the legend fits inside the axes; else its number of columns outside them."""
+    return 0 if entries <= CROWDED else 1 if entries <= 22 else 2
+
+
+def _legend(ax: Any, entries: int) -> None:
+    columns = _legend_columns(entries)
+    if columns == 0:
         ax.legend(fontsize=7)
     else:  # outside the axes, so it hides no curve or title
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if count <= 22 else 2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=columns)
 
 
 def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, Any]],
@@ -318,17 +330,17 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
     columns = min(3, len(by_cell))
     rows_n = (len(by_cell) + columns - 1) // columns
     most = max(len(methods) for methods in by_cell.values())
-    width = 5.2 + (0 if most <= CROWDED else 2.4 if most <= 22 else 4.4)
+    width = 5.2 + LEGEND_WIDTH[_legend_columns(most + 1)]  # + the ceiling's entry
     fig, axes = plt.subplots(rows_n, columns, figsize=(width * columns, 3.8 * rows_n), squeeze=False)
     for ax, ((task, partition), methods) in zip(axes.flat, sorted(by_cell.items())):
         metric = next(iter(methods.values()))[0].metric
+        crowded = len(methods) > CROWDED
         for index, (method, runs) in enumerate(methods.items()):
             rounds, means, lows, highs = band(runs, metric)
-            style = _style(index) if len(methods) > CROWDED else {}
-            line, = ax.plot(rounds, means, marker=".", ms=4, label=f"{method} ({len(runs)})", **style)
-            # crowded panels: bands would cover each other, so only the lines (the table has the intervals)
-            ax.fill_between(rounds, lows, highs, color=line.get_color(), alpha=0.15 if len(methods) <= CROWDED else 0,
-                            linewidth=0)
+            style = {**_style(index), "marker": "."} if crowded else {"marker": "."}
+            line, = ax.plot(rounds, means, ms=4, label=f"{method} ({len(runs)})", **style)
+            if not crowded:  # crowded panels: bands would cover each other (the table has the intervals)
+                ax.fill_between(rounds, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
         if ceiling.get(task) is not None:
             ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
         ax.set(title=_cell_title(task, partition), xlabel="round", ylabel=metric)
@@ -348,10 +360,10 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
         rows = [r for r in summary if (r["task"], r["partition"]) == (task, partition)]
         for index, row in enumerate(rows):
             ci = row.get("final_metric_ci") or [row["final_metric"]] * 2
-            style = {"color": _style(index)["color"], "fmt": "os"[index // 20 % 2]} if len(rows) > CROWDED else {}
+            style = _style(index) if len(rows) > CROWDED else {"marker": "o"}
             ax.errorbar(row["uplink_bytes_per_client_round"], row["final_metric"],
                         yerr=[[row["final_metric"] - ci[0]], [ci[1] - row["final_metric"]]], capsize=3,
-                        label=row["method"], **{"fmt": "o", **style})
+                        label=row["method"], linestyle="none", color=style.get("color"), marker=style["marker"])
         if ceiling.get(task) is not None:
             ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
         ax.set_xscale("log")
