@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from fedpeft.adapters import build_adapter
 from fedpeft.adapters.base import trainable_names
-from fedpeft.adapters.prompts import PREFIX_MODULE, PROMPT_MODULE, prefix_layer_keys, prompts_disabled
+from fedpeft.adapters.prompts import PREFIX_MODULE, PROMPT_MODULE, cache_keyword, prefix_layer_keys, prompts_disabled
 from fedpeft.config import AdapterConfig, ConfigError, ModelConfig, build_config
 from fedpeft.data.types import TaskData
 from fedpeft.engines.local import LocalEngine
@@ -89,6 +91,43 @@ def test_decoder_prefix_equals_a_real_key_value_cache(name: str) -> None:
             table.copy_(torch.cat([keys.transpose(0, 1).reshape(4, -1), values.transpose(0, 1).reshape(4, -1)], 1))
         tail = model(input_ids=ids[:, 4:]).logits
     assert torch.allclose(tail, full.logits[:, 4:], atol=1e-4)
+
+
+@pytest.mark.parametrize("name,head", [("tiny-bert", "auto"), ("tiny-roberta", "auto"), ("tiny-llama", "causal_lm")])
+def test_deep_prompts_use_the_cache_keyword_the_installed_transformers_takes(name: str, head: str) -> None:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40):
+    the prefix is passed by whichever name the backbone's forward declares, with no deprecation warning."""
+    backbone = backbone_with("p_tuning_v2", name, head=head, num_virtual_tokens=3)
+    inner = backbone.model.base_model
+    declared = [k for k in ("cache", "past_key_values") if k in inspect.signature(inner.forward).parameters]
+    assert cache_keyword(backbone.model) == declared[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        inputs = batch()
+        with torch.no_grad():
+            with_prompt = backbone.model(**inputs).logits
+            with prompts_disabled(backbone.model):
+                without = backbone.model(**inputs).logits
+    assert not torch.allclose(with_prompt, without)
+
+
+def test_cache_keyword_asks_the_backbone_when_the_head_names_neither() -> None:
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: object = None) -> None: ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: object = None) -> None: ...
+
+    class Head(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_model = inner
+
+        def forward(self, input_ids: torch.Tensor, **kwargs: object) -> None: ...
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(Head(New())) == "cache"
+    assert cache_keyword(Head(Old())) == "past_key_values"
 
 
 def test_prefix_cache_is_the_embedding_table_of_p_tuning_v2() -> None:

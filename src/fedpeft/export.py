@@ -45,7 +45,7 @@ import fedpeft
 from fedpeft.adapters.base import HEAD_MODULE_NAMES, head_parameters
 from fedpeft.adapters.ia3 import ia3_config
 from fedpeft.adapters.lora import lora_config
-from fedpeft.adapters.prompts import PREFIX_MODULE, PROMPT_MODULE, kv_geometry
+from fedpeft.adapters.prompts import PREFIX_MODULE, PROMPT_MODULE, cache_keyword, kv_geometry
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
 from fedpeft.data.types import TaskData
 from fedpeft.experiment import build_model, load_data
@@ -213,8 +213,9 @@ def _load_export(directory: Path) -> LoadedModel:
 class PrefixTuned(nn.Module):
     """PEFT's prefix-tuning forward: the prompt as every layer's cache, the attention mask extended
     by the prompt's length. PEFT 0.21 looks for a ``past_key_values`` parameter in the model's
-    signature, which transformers 5 models name ``cache`` (they still accept ``past_key_values``),
-    so ``PeftModel``'s own forward refuses them; this is that forward without the check."""
+    signature, which transformers 5 models name ``cache`` (``past_key_values`` is deprecated there),
+    so ``PeftModel``'s own forward refuses them; this is that forward without the check, passing the
+    prompt by the keyword the installed transformers takes."""
 
     def __init__(self, peft_model: PeftModel) -> None:
         super().__init__()
@@ -226,8 +227,9 @@ class PrefixTuned(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         mask = torch.cat([attention_mask.new_ones(batch, tokens), attention_mask], dim=1)
-        return self.peft_model.base_model(input_ids=input_ids, attention_mask=mask,
-                                          past_key_values=self.peft_model.get_prompt(batch), **kwargs)
+        model = self.peft_model.base_model
+        kwargs[cache_keyword(model)] = self.peft_model.get_prompt(batch)
+        return model(input_ids=input_ids, attention_mask=mask, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------

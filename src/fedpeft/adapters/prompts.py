@@ -30,6 +30,7 @@ classification and QA heads see the prompt only through attention.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -74,6 +75,21 @@ def _options(cfg: AdapterConfig) -> _PromptOptions:
 def language_model(model: nn.Module) -> nn.Module:
     """The module whose forward takes ``input_ids`` (the MLM inside a verbalizer wrapper, else the model)."""
     return getattr(model, "language_model", model)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword ``model``'s forward takes a key/value cache by: ``cache`` in transformers >= 5.2x
+    (where ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before.
+    A forward that names neither (a task head passing ``**kwargs`` on) is answered by its backbone."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        parameters = inspect.signature(model.forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+        model = getattr(model, "base_model", model)
+    return "past_key_values"
 
 
 def kv_geometry(config: Any) -> tuple[int, int, int]:
@@ -146,18 +162,18 @@ def _extend_mask(mask: torch.Tensor | None, batch: int, length: int, extra: int,
     return torch.cat([torch.ones(batch, extra, dtype=mask.dtype, device=mask.device), mask], dim=1)
 
 
-def _prefix_hook(prefix: PrefixEncoder):
+def _prefix_hook(prefix: PrefixEncoder, keyword: str):
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[()], dict[str, Any]]:
         kwargs = _kwargs_with_inputs(args, kwargs)
         if not prefix.enabled:
             return (), kwargs
-        if kwargs.get("past_key_values") is not None:
-            raise ValueError("p_tuning_v2 supplies past_key_values itself; do not pass a cache")
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError("p_tuning_v2 supplies the key/value cache itself; do not pass one")
         reference = kwargs.get("input_ids")
         if reference is None:
             reference = kwargs["inputs_embeds"]
         batch, length = reference.shape[:2]
-        kwargs["past_key_values"] = prefix.cache(batch)
+        kwargs[keyword] = prefix.cache(batch)
         kwargs["attention_mask"] = _extend_mask(kwargs.get("attention_mask"), batch, length, prefix.num_tokens,
                                                 reference.device)
         return (), kwargs
@@ -260,7 +276,7 @@ class PTuningV2Adapter(Adapter):
         prefix = PrefixEncoder(layers, self.options.num_virtual_tokens, kv_heads, head_dim, self.cfg.dropout,
                                self.options.prefix_init_std)
         backbone.model.add_module(PREFIX_MODULE, prefix)
-        host.register_forward_pre_hook(_prefix_hook(prefix), with_kwargs=True)
+        host.register_forward_pre_hook(_prefix_hook(prefix, cache_keyword(host)), with_kwargs=True)
 
 
 @register_adapter

@@ -379,7 +379,7 @@ def _t5_forward(module: nn.Module, original: Callable[..., Any], kept: torch.Ten
 
     def forward(hidden_states: torch.Tensor, mask: torch.Tensor | None = None,
                 key_value_states: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
-                past_key_values: Any = None, **kwargs: Any) -> tuple[Any, ...]:
+                **kwargs: Any) -> tuple[Any, ...]:
         if position_bias is None:
             query_length = hidden_states.shape[1]
             key_length = (hidden_states if key_value_states is None else key_value_states).shape[1]
@@ -391,8 +391,7 @@ def _t5_forward(module: nn.Module, original: Callable[..., Any], kept: torch.Ten
             output = module.o(hidden_states.new_zeros(*hidden_states.shape[:-1], 0))
             return output, position_bias, None
         output, _, weights = original(hidden_states, mask=mask, key_value_states=key_value_states,
-                                      position_bias=position_bias.index_select(1, kept),
-                                      past_key_values=past_key_values, **kwargs)
+                                      position_bias=position_bias.index_select(1, kept), **kwargs)
         return output, position_bias, weights
 
     return forward
