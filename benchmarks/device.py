@@ -11,6 +11,11 @@ the GPU shared by the ClientApp workers through ``client-resources-num-gpus``) w
 is installed, else recorded as skipped with the reason.
 
 A GPU owner runs ``python benchmarks/device.py --device cuda --rounds 5 --clients 8 --examples 64``.
+``--profile N`` adds, for MiniLM at each precision, one more run under ``torch.profiler`` (kept apart
+from the timed runs, whose numbers it would distort) and records its N operators with the most self
+time, on the CPU side and, on a GPU, the device side: where a precision's time goes (cast kernels,
+kernel launches, attention backend) rather than only how much there is.
+
 Writes benchmarks/results/device.{json,md,png} for a CPU run and device_<type>.{json,md,png} for an
 accelerator (``device_cuda.*``), so each device's committed results sit side by side: a small CPU run
 (``--device cpu``, the defaults below, one thread) and the command above on an NVIDIA H200.
@@ -74,14 +79,37 @@ def workload(args: argparse.Namespace, model: str, precision: str, kind: str = "
     }
 
 
-def child(config: Path, run_dir: Path, out: Path) -> None:
-    """One run in this process; writes its peak memory next to the run's metrics."""
+def top_operators(events: Any, top: int, device_side: bool) -> list[dict[str, Any]]:
+    """The ``top`` operators by self time (device time when ``device_side``, else CPU time) of a
+    profiler's ``key_averages()``: name, calls, self milliseconds and share of all self time."""
+    def self_us(event: Any) -> float:
+        return event.self_device_time_total if device_side else event.self_cpu_time_total
+
+    total = sum(self_us(e) for e in events) or 1.0
+    ranked = sorted(events, key=self_us, reverse=True)[:top]
+    return [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1000, "share": self_us(e) / total}
+            for e in ranked if self_us(e) > 0]
+
+
+def child(config: Path, run_dir: Path, out: Path, profile: int = 0) -> None:
+    """One run in this process; writes its peak memory (or, with ``profile``, its top operators)."""
     from fedpeft.config import build_config
     from fedpeft.engines.local import LocalEngine
     from fedpeft.experiment import prepare
 
     exp = prepare(build_config(json.loads(config.read_text())))
     device = exp.slot.device
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiled
+
+        gpu = device.type == "cuda"
+        with profiled(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            LocalEngine(exp, run_dir).run()
+        events = prof.key_averages()
+        out.write_text(json.dumps({"cpu_side": top_operators(events, profile, False),
+                                   "device_side": top_operators(events, profile, True) if gpu else None}))
+        return
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     LocalEngine(exp, run_dir).run()
@@ -101,17 +129,20 @@ def measures(run_dir: Path) -> dict[str, Any]:
             "final_accuracy": rounds[-1]["eval"].get("accuracy")}
 
 
-def run_one(work: Path, args: argparse.Namespace, model: str, precision: str) -> dict[str, Any]:
-    name = f"{model}_{precision}"
-    config, out = work / f"{name}.json", work / f"{name}.peak.json"
+def run_one(work: Path, args: argparse.Namespace, model: str, precision: str, profile: int = 0) -> dict[str, Any]:
+    """The timed run (``profile`` 0), or the profiled run's top operators."""
+    name = f"{model}_{precision}" + ("_profiled" if profile else "")
+    config, out = work / f"{name}.json", work / f"{name}.out.json"
     config.write_text(json.dumps(workload(args, model, precision)))
-    command = [sys.executable, __file__, "--child", str(config), str(work / name), str(out)]
+    command = [sys.executable, __file__, "--child", str(config), str(work / name), str(out), str(profile)]
     done = subprocess.run(command, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                                "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)})
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
         return {"skipped": f"the run failed: {last}"}
+    if profile:
+        return json.loads(out.read_text())
     return {**measures(work / name), **json.loads(out.read_text())}
 
 
@@ -144,6 +175,17 @@ def markdown(result: dict[str, Any]) -> str:
               "Flower Simulation Engine, MiniLM fp32: " + (f"skipped ({flower['skipped']})" if "skipped" in flower else
               f"{flower['seconds_per_round']:.2f} s / round, {flower['clients_per_second']:.2f} clients / s, "
               f"peak {flower['peak_memory_mib']:.0f} MiB ({flower['memory_kind']})"), ""]
+    for precision, ops in result.get("profile", {}).items():
+        if "skipped" in ops:
+            lines += [f"Profile, MiniLM {precision}: skipped ({ops['skipped']})", ""]
+            continue
+        for side in ("device_side", "cpu_side"):
+            if ops.get(side):
+                lines += [f"#### Profile, MiniLM {precision}: top operators by self {side.split('_')[0].upper()} "
+                          "time (a separate run under torch.profiler)\n", "| operator | calls | self ms | share |",
+                          "|---|---|---|---|"]
+                lines += [f"| `{o['op']}` | {o['calls']} | {o['self_ms']:.1f} | {o['share']:.1%} |" for o in ops[side]]
+                lines.append("")
     return "\n".join(lines)
 
 
@@ -170,8 +212,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        child(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        child(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="engine.device: auto, cpu, cuda, cuda:N, mps")
@@ -184,6 +226,8 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--eval", type=int, default=32, help="evaluation examples (scored after the last round)")
     parser.add_argument("--threads", type=int, default=1, help="engine.threads (CPU threads per run)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile MiniLM at each precision in a separate run; record its N top operators")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     device = resolve_device(args.device)
@@ -194,6 +238,7 @@ def main() -> None:
                         else {p: {"skipped": reason} for p in precisions})
                 for model, reason in model_aliases().items()}
         flower = flower_simulation(work, args)
+        profiles = ({p: run_one(work, args, "minilm", p, args.profile) for p in precisions} if args.profile else {})
     name = device_name(device)
     result = {
         "command": " ".join([COMMAND, *sys.argv[1:]]),
@@ -207,6 +252,7 @@ def main() -> None:
                      f"rounds, {args.eval} eval examples, {args.threads} thread(s)"),
         "runs": runs,
         "flower_simulation": flower,
+        **({"profile": profiles} if profiles else {}),
     }
     stem = "device" if device.type == "cpu" else f"device_{device.type}"
     args.out.mkdir(parents=True, exist_ok=True)
