@@ -41,11 +41,18 @@ RECIPES: dict[str, dict[str, Any]] = {
     "fedpeptao": {"method": "fedpeptao", "adapter": {"kind": "p_tuning_v2", "num_virtual_tokens": 4},
                   "strategy": {"server_lr": 0.01, "selection_round": 1, "lanczos_iterations": 4}},
     "bitfit": {"adapter": {"kind": "bitfit"}},
+    # classifiers reading the encoder's mean: exported, loaded back by fedpeft.load and apply_pooling
+    "lora_mean_no_pooler": {"adapter": {"kind": "lora", "r": 4, "alpha": 8}, "model": {"pooling": "mean_no_pooler"}},
+    "p_tuning_v2_mean": {"adapter": {"kind": "p_tuning_v2", "num_virtual_tokens": 4}, "model": {"pooling": "mean"}},
+    "prompt_tuning_mean_no_pooler": {"adapter": {"kind": "prompt_tuning", "num_virtual_tokens": 4},
+                                     "model": {"pooling": "mean_no_pooler"}},
 }
+POOLED = ("lora_mean_no_pooler", "p_tuning_v2_mean", "prompt_tuning_mean_no_pooler")
 FORMATS = {"lora": ("peft", "merged"), "federa": ("peft", "merged"), "ia3": ("peft", "merged"),
            "p_tuning_v2": ("peft",), "prompt_tuning": ("peft",), "full": ("merged",), "fedtt": ("bundle",),
            "ffa_lora": ("peft",), "hetlora": ("peft",), "flasc": ("peft", "merged"), "fedpeptao": ("peft",),
-           "bitfit": ("merged",)}
+           "bitfit": ("merged",), "lora_mean_no_pooler": ("peft", "merged"), "p_tuning_v2_mean": ("peft",),
+           "prompt_tuning_mean_no_pooler": ("peft",)}
 
 # Runs with nothing from fedpeft importable: the export must stand on transformers + PEFT alone.
 PLAIN_LOADER = r'''
@@ -177,9 +184,14 @@ def test_metadata_records_labels_task_base_and_version(exported: dict[str, Any])
     assert (meta["format"], meta["method"], meta["fedpeft_version"]) == ("peft", "lora", fedpeft.__version__)
 
 
-@pytest.mark.parametrize("source", ["run", "fedtt_bundle", "lora_peft", "p_tuning_v2_peft", "lora_merged"])
+@pytest.mark.parametrize("source", ["run", "fedtt_bundle", "lora_peft", "p_tuning_v2_peft", "lora_merged",
+                                    "lora_mean_no_pooler_peft", "lora_mean_no_pooler_merged", "p_tuning_v2_mean_peft",
+                                    "prompt_tuning_mean_no_pooler_peft"])
 def test_fedpeft_load_gives_the_evaluated_model(exported: dict[str, Any], source: str) -> None:
     recipe = "fedtt" if source == "run" else source.rsplit("_", 1)[0]
+    if recipe in POOLED:
+        meta = json.loads((exported["root"] / source / METADATA).read_text())
+        assert meta["pooling"] == RECIPES[recipe]["model"]["pooling"]
     path = exported["runs"][recipe] if source == "run" else exported["root"] / source
     loaded = fedpeft.load(path)
     assert loaded.label_names == ("neg", "pos") and not loaded.model.training
@@ -370,3 +382,49 @@ def test_predict_extractive_qa_writes_the_answers_evaluation_scores(tmp_path: Pa
     questions[["question"]].to_csv(tmp_path / "no_context.csv", index=False)
     line = _one_line_error(["predict", str(tmp_path / "run"), "--input", str(tmp_path / "no_context.csv")], capsys)
     assert "'context'" in line and "question" in line
+
+
+@pytest.mark.parametrize("source", ["lora_mean_no_pooler_peft", "lora_mean_no_pooler_merged", "p_tuning_v2_mean_peft",
+                                    "prompt_tuning_mean_no_pooler_peft"])
+def test_a_plain_load_of_a_mean_pooled_export_needs_apply_pooling(exported: dict[str, Any], source: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' class reads the first token, so a plain load scores other logits; the one line
+    ``fedpeft export`` prints (apply_pooling with the metadata's pooling) makes it the evaluated model."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from fedpeft.export import PrefixTuned, pooling_note
+    from fedpeft.models.pooling import apply_pooling
+
+    recipe, fmt = source.rsplit("_", 1)
+    expected = evaluation_logits(exported["runs"][recipe])
+    assert not torch.allclose(exported["plain"][source], expected, atol=1e-3)
+    folder = exported["root"] / source
+    pooling = json.loads((folder / METADATA).read_text())["pooling"]
+    assert f"apply_pooling(model, {pooling!r})" in pooling_note(folder)
+    if fmt == "merged":
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
+        apply_pooling(model, pooling)
+    else:
+        base = AutoModelForSequenceClassification.from_pretrained(folder / "base")
+        apply_pooling(base, pooling)
+        model = PeftModel.from_pretrained(base, folder)
+        if recipe.startswith("p_tuning_v2"):
+            model = PrefixTuned(model)
+    model.eval()
+    texts = pd.read_csv(exported["eval"])["text"].tolist()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    main(["export", str(exported["runs"][recipe]), "--out", str(exported["root"] / f"{source}_again"),
+          "--format", fmt])
+    assert "apply_pooling" in capsys.readouterr().err  # export messages go to stderr
+
+
+def test_a_head_pooled_export_needs_nothing_added(exported: dict[str, Any]) -> None:
+    from fedpeft.export import pooling_note
+
+    assert json.loads((exported["root"] / "lora_peft" / METADATA).read_text())["pooling"] == "head"
+    assert pooling_note(exported["root"] / "lora_peft") is None

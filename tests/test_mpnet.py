@@ -87,6 +87,7 @@ def test_real_mpnet_loads_at_paper_width(single_torch_thread: None) -> None:
     assert set(backbone.new_parameters) == {"classifier.dense.weight", "classifier.dense.bias",
                                             "classifier.out_proj.weight", "classifier.out_proj.bias"}
     assert default_target_modules(backbone) == ["q", "v"]
+    assert backbone.pooling == "mean"  # auto: a mean-pooled sentence encoder, no pretrained pooler
     batch = backbone.tokenizer(["a fine film", "dull"], return_tensors="pt", padding=True)
     with torch.no_grad():
         assert backbone.model(**batch).logits.shape == (2, 2)
@@ -106,6 +107,7 @@ def test_real_minilm_keeps_its_pretrained_pooler(single_torch_thread: None) -> N
     except ConfigError as err:
         pytest.skip(str(err))
     assert set(backbone.new_parameters) == {"classifier.weight", "classifier.bias"}
+    assert backbone.pooling == "mean_no_pooler"  # auto: a mean-pooled sentence encoder with BERT's pooler
     build_adapter(AdapterConfig(kind="tt")).apply(backbone)
     assert isinstance(backbone.model.bert.pooler.dense, torch.nn.Linear)
     assert not backbone.model.bert.pooler.dense.weight.requires_grad

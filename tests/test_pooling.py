@@ -12,9 +12,9 @@ from fedpeft.config import ConfigError, ModelConfig, build_config
 from fedpeft.data.types import Example, TaskData
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import build_model, prepare
-from fedpeft.export import ExportError, export_run, load
+from fedpeft.export import export_run, load
 from fedpeft.models.backbone import load_backbone
-from fedpeft.models.pooling import masked_mean
+from fedpeft.models.pooling import masked_mean, resolve_pooling, sentence_pooling_mode
 from tests.conftest import tiny_raw_config
 
 TASK = TaskData("toy", "classification", ("neg", "pos"), ("accuracy",))
@@ -89,8 +89,8 @@ def test_skipping_the_pooler_is_refused_where_there_is_none() -> None:
 # mean_no_pooler plateaus near 0.73 on the tiny random BERT (its classifier reads the un-squashed
 # mean); 0.70 is 3.2 standard errors above chance (0.5 on 64 balanced examples)
 @pytest.mark.parametrize("pooling,bound", [("mean", 0.75), ("mean_no_pooler", 0.70)])
-def test_learns_and_exports_as_a_bundle_only(pooling: str, bound: float, toy_files: tuple[Path, Path], tmp_path: Path,
-                                             single_torch_thread: None) -> None:
+def test_learns_and_every_export_loads_back_the_same_model(pooling: str, bound: float, toy_files: tuple[Path, Path],
+                                                          tmp_path: Path, single_torch_thread: None) -> None:
     train, eval_ = toy_files
     raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=10, client={"local_epochs": 2},
                           model={"pooling": pooling})
@@ -98,14 +98,12 @@ def test_learns_and_exports_as_a_bundle_only(pooling: str, bound: float, toy_fil
     accuracies = [r["eval"]["accuracy"] for r in records]
     assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]
     assert max(accuracies[-3:]) >= bound, str(accuracies)
-    for fmt in ("peft", "merged"):
-        with pytest.raises(ExportError, match=f"--format {fmt}: model.pooling {pooling} "):
-            export_run(tmp_path / "run", tmp_path / fmt, fmt)
-    loaded = load(export_run(tmp_path / "run", tmp_path / "bundle", "bundle"))
     run = load(tmp_path / "run")
-    batch = dict(loaded.tokenizer(TEXTS, padding=True, return_tensors="pt"))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.model(**batch).logits, run.model(**batch).logits)
+    batch = dict(run.tokenizer(TEXTS, padding=True, return_tensors="pt"))
+    for fmt in ("peft", "merged", "bundle"):
+        loaded = load(export_run(tmp_path / "run", tmp_path / fmt, fmt))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.model(**batch).logits, run.model(**batch).logits, atol=1e-5, rtol=0)
 
 
 def test_a_sentence_encoder_example_is_scored_the_same_by_evaluation_and_by_hand() -> None:
@@ -121,3 +119,72 @@ def test_a_sentence_encoder_example_is_scored_the_same_by_evaluation_and_by_hand
     with torch.no_grad():
         by_hand = torch.cat([model(**dict(backbone.tokenizer([t], return_tensors="pt"))).logits for t in TEXTS])
     torch.testing.assert_close(scores, by_hand, rtol=1e-5, atol=1e-6)
+
+
+def _sentence_encoder(folder: Path, modes: dict[str, bool] | None, arch: str = "bert") -> Path:
+    """A tiny BERT (or RoBERTa, whose classifier has no pretrained pooler) saved as a sentence-transformers
+    checkpoint pooling by ``modes`` (None: a plain checkpoint)."""
+    import json
+
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+    shape = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "intermediate_size": 64}
+    if arch == "bert":
+        BertModel(BertConfig(**shape)).save_pretrained(folder)
+    else:
+        RobertaModel(RobertaConfig(**shape), add_pooling_layer=False).save_pretrained(folder)
+    if modes is not None:
+        (folder / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 32, **{f"pooling_mode_{k}": v for k, v in modes.items()}}))
+    return folder
+
+
+MEAN = {"cls_token": False, "mean_tokens": True, "max_tokens": False, "mean_sqrt_len_tokens": False}
+CLS = {"cls_token": True, "mean_tokens": False, "max_tokens": False, "mean_sqrt_len_tokens": False}
+
+
+@pytest.mark.parametrize("modes,expected", [(MEAN, "mean"), (CLS, "cls"), (None, None)])
+def test_sentence_pooling_mode_is_read_from_the_checkpoint(modes: dict | None, expected: str | None,
+                                                           tmp_path: Path) -> None:
+    assert sentence_pooling_mode(str(_sentence_encoder(tmp_path / "ckpt", modes))) == expected
+    assert sentence_pooling_mode(None) is None
+
+
+@pytest.mark.parametrize("modes,head,expected", [
+    (MEAN, "auto", "mean_no_pooler"),  # MiniLM's case: mean-pooled, with BERT's pooler
+    (CLS, "auto", "head"), (None, "auto", "head"),
+    (MEAN, "token_classification", "head"),  # pooling is for sequence classifiers only: auto leaves others alone
+])
+def test_auto_pooling_reads_a_mean_pooled_sentence_encoder_and_leaves_the_rest(
+        modes: dict | None, head: str, expected: str, tmp_path: Path) -> None:
+    folder = _sentence_encoder(tmp_path / "ckpt", modes)
+    task = TaskData("toy", "classification" if head == "auto" else "token_classification", ("a", "b"), ("accuracy",))
+    backbone = load_backbone(ModelConfig(name=str(folder), tokenizer="minilm", head=head), task, seed=0)
+    assert backbone.pooling == expected
+    explicit = load_backbone(ModelConfig(name=str(folder), tokenizer="minilm", pooling="head"),
+                             TaskData("toy", "classification", ("a", "b"), ("accuracy",)), seed=0)
+    assert explicit.pooling == "head"
+    if expected != "head":  # auto gives the same model as asking for the resolved pooling
+        asked = load_backbone(ModelConfig(name=str(folder), tokenizer="minilm", pooling=expected), task, seed=0)
+        inputs = _batch(backbone)
+        with torch.no_grad():
+            torch.testing.assert_close(backbone.model.eval()(**inputs).logits, asked.model.eval()(**inputs).logits)
+            assert not torch.allclose(backbone.model(**inputs).logits, explicit.model.eval()(**inputs).logits)
+
+
+def test_auto_pooling_without_a_pretrained_pooler_is_the_mean_through_the_head(tmp_path: Path) -> None:
+    """MPNet's case (a mean-pooled sentence encoder whose classifier has no pooler): ``mean``."""
+    folder = _sentence_encoder(tmp_path / "ckpt", MEAN, arch="roberta")
+    backbone = load_backbone(ModelConfig(name=str(folder), tokenizer="minilm"), TASK, seed=0)
+    assert backbone.pooling == "mean"
+    assert resolve_pooling("auto", backbone.model, None, "encoder", "sequence_classification") == "head"
+
+
+def test_auto_is_head_for_tiny_random_models() -> None:
+    task = TaskData("toy", "classification", ("a", "b"), ("accuracy",))
+    assert load_backbone(ModelConfig(name="tiny-bert"), task, seed=0).pooling == "head"

@@ -293,12 +293,15 @@ def _add_deploy_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
-    from fedpeft.export import check_hub_available, export_run, push_to_hub
+    from fedpeft.export import check_hub_available, export_run, pooling_note, push_to_hub
 
     if args.push_to_hub:
         check_hub_available()  # before the export's work, not after it
     out = export_run(Path(args.run_dir), Path(args.out), args.format, args.data_dir)
     console.print(f"{args.format} export of {args.run_dir} in {out}")
+    note = pooling_note(out)
+    if note:
+        console.print(f"note: {escape(note)}")
     if args.push_to_hub:
         console.print(f"pushed to {push_to_hub(out, args.push_to_hub)}")
     return 0

@@ -145,9 +145,10 @@ class ModelConfig(_Strict):
     quantization: Literal["none", "4bit", "8bit"] = "none"
     # what an encoder's sequence classifier reads: ``head`` the model class's own (the first token),
     # ``mean`` the masked mean of the last layer, as sentence encoders (MiniLM, MPNet) were trained,
-    # ``mean_no_pooler`` that mean straight into the classifier, past BERT's frozen pretrained pooler
-    # (fedpeft.models.pooling)
-    pooling: Literal["head", "mean", "mean_no_pooler"] = "head"
+    # ``mean_no_pooler`` that mean straight into the classifier, past BERT's frozen pretrained pooler;
+    # ``auto`` the mean where the checkpoint is a sentence encoder that pools by the mean (MiniLM:
+    # mean_no_pooler, MPNet: mean), else head (fedpeft.models.pooling.resolve_pooling)
+    pooling: Literal["auto", "head", "mean", "mean_no_pooler"] = "auto"
 
 
 class AdapterConfig(_Strict):
@@ -573,6 +574,21 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         return ExperimentConfig.model_validate(merged)
     except ValidationError as err:
         raise _format_validation_error(err) from None
+
+
+def config_differences(saved: ExperimentConfig, given: ExperimentConfig, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Dotted fields whose values differ, as ``field (RUN in the run, GIVEN given)``; ``ignore`` names
+    fields or sections left out."""
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): node}
+
+    before, after = flat(saved.model_dump(mode="json")), flat(given.model_dump(mode="json"))
+    skipped = tuple(f"{name}." for name in ignore)
+    keys = sorted(before.keys() | after.keys())
+    return [f"{key} ({before.get(key)!r} in the run, {after.get(key)!r} given)" for key in keys
+            if before.get(key) != after.get(key) and key not in ignore and not key.startswith(skipped)]
 
 
 def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:

@@ -20,6 +20,12 @@ model, the method and the fedpeft version, and ``config.yaml``):
 - ``bundle``: ``config.yaml`` + the global trainable state (``trainable.safetensors``); every
   recipe (tensor-train and Houlsby adapters too); :func:`load` rebuilds the model from them.
 
+A classifier that reads the mean of the encoder's output (``model.pooling`` ``mean`` or
+``mean_no_pooler``: the ``auto`` default on MiniLM and MPNet) does so through fedpeft's hooks, which
+transformers' classes do not have: the metadata's ``pooling`` records it, :func:`load` re-applies it,
+and a plain transformers/PEFT user calls ``fedpeft.models.pooling.apply_pooling(model, pooling)``
+after loading (``fedpeft export`` prints that line).
+
 Random-weight (``tiny-*``) backbones exist nowhere on disk, so a ``peft`` export of one also saves
 the untouched base (with its seeded head) in ``DIR/base``, and the metadata points there.
 """
@@ -51,6 +57,7 @@ from fedpeft.data.types import TaskData
 from fedpeft.experiment import build_model, load_data
 from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, CheckpointError, ExportError, check_state, resume_fingerprint
 from fedpeft.models.backbone import AUTO_CLASSES, Backbone, Head, load_backbone
+from fedpeft.models.pooling import apply_pooling
 
 EXPORT_FORMATS: tuple[str, ...] = ("peft", "merged", "bundle")
 METADATA = "fedpeft_export.json"
@@ -192,11 +199,14 @@ def _load_export(directory: Path) -> LoadedModel:
         return LoadedModel(backbone.model, backbone.tokenizer, task, cfg, backbone.head, fmt, directory,
                            backbone.template)
     head: Head = meta["head"]
+    pooling = meta.get("pooling", "head")  # exports before pooling was recorded were all refused unless head
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     if fmt == "merged":
         model = AUTO_CLASSES[head].from_pretrained(str(directory))
+        apply_pooling(model, pooling)
     elif fmt == "peft":
-        base = load_backbone(cfg.model, task, cfg.seed)  # the untouched base, as the export saw it
+        # the untouched base, as the export saw it, reading what the run's classifier read
+        base = load_backbone(cfg.model.model_copy(update={"pooling": pooling}), task, cfg.seed)
         model = PeftModel.from_pretrained(base.model, str(directory))
         if isinstance(model.peft_config["default"], PrefixTuningConfig):
             model = PrefixTuned(model)
@@ -254,11 +264,24 @@ def export_run(run_dir: Path, out: Path, fmt: str, data_dir: str | None = None) 
     metadata = {
         "format": fmt, "fedpeft_version": fedpeft.__version__, "method": run.cfg.method,
         "adapter": run.cfg.adapter.kind, "head": run.backbone.head, "task": task_record(run.task),
-        "base_model": {"name": run.cfg.model.name, "path": base_path}, "round": run.round,
+        "base_model": {"name": run.cfg.model.name, "path": base_path}, "pooling": run.backbone.pooling,
+        "round": run.round,
         "run_dir": str(run.run_dir.resolve()),
     }
     (out / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
     return out
+
+
+def pooling_note(directory: Path) -> str | None:
+    """What a plain transformers/PEFT user must add to an export whose classifier reads a mean
+    (``fedpeft.load`` adds it); None when it reads the model class's own first token."""
+    meta = read_metadata(directory)
+    pooling = meta.get("pooling", "head")
+    if pooling == "head" or meta.get("format") == "bundle":
+        return None
+    return (f"this classifier reads the mean of the encoder's last layer (model.pooling {pooling}), not the first "
+            "token transformers' class reads: fedpeft.load applies it; after a plain transformers/PEFT load call "
+            f"fedpeft.models.pooling.apply_pooling(model, {pooling!r})")
 
 
 def check_exportable(run: Run, fmt: str) -> None:
@@ -266,10 +289,6 @@ def check_exportable(run: Run, fmt: str) -> None:
     kind, head, architecture = run.cfg.adapter.kind, run.backbone.head, run.backbone.architecture
     if fmt == "bundle":
         return
-    if run.cfg.model.pooling != "head":
-        raise ExportError(f"--format {fmt}: model.pooling {run.cfg.model.pooling} feeds the head the mean of the "
-                          "encoder's output through fedpeft's hooks, which transformers' classes do not do; "
-                          "use --format bundle")
     if head == "masked_lm":
         raise ExportError(f"--format {fmt}: a masked_lm head reads label words through fedpeft's verbalizer, "
                           "which transformers has no class for; use --format bundle")

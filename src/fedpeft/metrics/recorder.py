@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from fedpeft.config import ConfigError, ExperimentConfig, build_config
+from fedpeft.config import ConfigError, ExperimentConfig, build_config, config_differences
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -128,6 +128,22 @@ class Recorder:
         torch.save(state, buffer)
         atomic_write_bytes(self.checkpoint_path, buffer.getvalue())
 
+    def _saved_config(self) -> ExperimentConfig:
+        saved = self.run_dir / CONFIG
+        try:
+            return build_config(yaml.safe_load(saved.read_text()))
+        except (OSError, ConfigError, yaml.YAMLError) as err:
+            raise CheckpointError(f"{saved} is not a valid config: {err}") from err
+
+    def _differences(self, cfg: ExperimentConfig) -> str:
+        """``: FIELD (RUN in the run, GIVEN given), ...`` against the run's config.yaml, or nothing to add."""
+        try:
+            fields = config_differences(self._saved_config(), cfg, ignore=("rounds", "output", *(
+                f"engine.{name}" for name in (*TRANSPORT_FIELDS, "kind"))))
+        except CheckpointError:
+            return ""
+        return f": {'; '.join(fields[:5])}{' ...' if len(fields) > 5 else ''}" if fields else ""
+
     def resume(self, cfg: ExperimentConfig, template: dict[str, torch.Tensor] | None = None) -> dict[str, Any] | None:
         """Load the checkpoint, check it belongs to ``cfg`` (and that its global state has the keys
         and shapes of ``template``), and trim metrics to its round.
@@ -141,12 +157,10 @@ class Recorder:
             saved = self.run_dir / CONFIG
             if not saved.exists():
                 raise CheckpointError(f"no checkpoint and no {CONFIG} in {self.run_dir}: nothing to resume")
-            try:
-                saved_cfg = build_config(yaml.safe_load(saved.read_text()))
-            except (ConfigError, yaml.YAMLError) as err:
-                raise CheckpointError(f"{saved} is not a valid config: {err}") from err
+            saved_cfg = self._saved_config()
             if resume_fingerprint(saved_cfg) != resume_fingerprint(cfg):
-                raise CheckpointError(f"{saved} differs from the config given; only rounds and output.* may change")
+                raise CheckpointError(f"{saved} differs from the config given{self._differences(cfg)}; "
+                                      "only rounds and output.* may change")
             return None
         try:
             state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
@@ -159,7 +173,7 @@ class Recorder:
             saved = self.run_dir / CONFIG
             raise CheckpointError(
                 f"{self.checkpoint_path} was written by a different experiment config than the one given "
-                f"(compare with {saved}); only rounds and output.* may change on resume"
+                f"(compare with {saved}){self._differences(cfg)}; only rounds and output.* may change on resume"
             )
         if template is not None:
             check_state(self.checkpoint_path, state["global_state"], template)

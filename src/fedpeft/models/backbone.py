@@ -40,7 +40,7 @@ from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
 from fedpeft.devices import quantization_kwargs
 from fedpeft.models.mpnet import mpnet_path
-from fedpeft.models.pooling import attach_mean_pooling
+from fedpeft.models.pooling import apply_pooling, resolve_pooling
 from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
 Architecture = Literal["encoder", "decoder", "encoder_decoder"]
@@ -66,6 +66,7 @@ class Backbone:
     head: Head
     name: str
     template: str | None = None  # masked_lm head: the LM-BFF template (None: chosen per example)
+    pooling: str = "head"  # what the classifier reads, ``model.pooling`` with ``auto`` resolved
     # parameters the checkpoint did not provide (missing or shape-mismatched: a new task head, DeBERTa's
     # pooler, DistilBERT's pre_classifier, an MLM head a sentence encoder never shipped): random at load,
     # so they are trained with the task head rather than left frozen at their random init
@@ -251,22 +252,22 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int, device: torch.dev
     architecture = architecture_of(config)
     head: Head = default_head(architecture, task) if cfg.head == "auto" else cfg.head
     _check_head(head, architecture, task)
-    if cfg.pooling != "head" and (architecture != "encoder" or head != "sequence_classification"):
+    if cfg.pooling not in ("auto", "head") and (architecture != "encoder" or head != "sequence_classification"):
         raise ConfigError("model.pooling", f"mean pooling is for an encoder's sequence_classification head, "
                                            f"not a {architecture} with a {head} head")
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     quantization = quantization_kwargs(cfg, device or torch.device("cpu"), HEAD_MODULE_NAMES)
     loaded, not_in_checkpoint = _build_model(head, source, config, task, cfg.attn_implementation, quantization)
-    if cfg.pooling != "head":
-        attach_mean_pooling(loaded, skip_pooler=cfg.pooling == "mean_no_pooler")
+    pooling = resolve_pooling(cfg.pooling, loaded, source, architecture, head)
+    apply_pooling(loaded, pooling)
     new_ids = {id(param) for name, param in loaded.named_parameters() if name in not_in_checkpoint}
     model, template = loaded, None
     if head == "masked_lm":
         template = cfg.template or default_template(task.name)
         model = verbalized_classifier(loaded, tokenizer, task.label_names, template, cfg.label_words)
     return Backbone(model=model, tokenizer=tokenizer, architecture=architecture, head=head, name=cfg.name,
-                    template=template,
+                    template=template, pooling=pooling,
                     new_parameters=tuple(name for name, param in model.named_parameters() if id(param) in new_ids))
 
 

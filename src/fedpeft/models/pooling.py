@@ -25,11 +25,23 @@ seeds, ``benchmarks/results/pooling.md``; higher on every seed, within noise ove
 frozen tanh seems to hinder training more than separation. Only models with a pooler (BERT's
 family) take it; for the others ``mean`` already reads the mean with the head's own trainable
 layers.
+
+``auto`` (the default) reads the checkpoint: a sentence-transformers model whose Pooling module
+pools by the mean (``modules.json`` -> ``1_Pooling/config.json``: all-MiniLM-L6-v2, all-mpnet-base-v2)
+gets ``mean_no_pooler`` when its classifier has a pooler (BERT's family, MiniLM) and ``mean``
+otherwise (MPNet); anything else (a CLS-pooled or plain checkpoint, random ``tiny-*`` models,
+other heads) keeps ``head``. Why the default: in the short-run SST-2 setting (10 rounds, Dirichlet
+0.5) every recipe at its defaults with ``mean_no_pooler`` ended higher on seed 0 than with ``head``
+for 23 of 25 recipes, nine of the ten that sat at the majority class left it, and the only
+recipes whose 3-seed mean reaches 0.80 read the mean (``benchmarks/results/no_pooler.md``,
+``no_pooler_tuned.md``). A run can still pin ``head`` (the committed head-pooling benchmarks do).
 """
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,3 +104,60 @@ def attach_mean_pooling(model: nn.Module, skip_pooler: bool = False) -> None:
             raise ConfigError("model.pooling", f"mean_no_pooler skips a pretrained pooler, and "
                                                f"{type(model).__name__} has none; use mean")
         pooler.register_forward_hook(_pooler_passes_first_token, with_kwargs=True)
+
+
+def sentence_pooling_mode(source: str | None) -> str | None:
+    """How a sentence-transformers checkpoint pools (``mean``, ``cls``, ``max``, ``mean_sqrt_len``,
+    ...), from its ``modules.json`` and Pooling module config; None when ``source`` is not one, or
+    (a hub id) its files are neither local nor in the hub cache."""
+    if source is None:
+        return None
+
+    def read(name: str) -> Any:
+        path = Path(source) / name
+        if not path.is_file():
+            if Path(source).is_dir():
+                return None
+            try:  # a hub id: the cache, or a download where the hub is reachable
+                from huggingface_hub import hf_hub_download
+
+                path = Path(hf_hub_download(source, name))
+            except Exception:  # any hub failure means "not known to be a sentence encoder"
+                return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    modules = read("modules.json")
+    if not isinstance(modules, list):
+        return None
+    pooling = next((m for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling")), None)
+    if pooling is None:
+        return None
+    options = read(f"{pooling.get('path', '')}/config.json".lstrip("/"))
+    if not isinstance(options, dict):
+        return None
+    modes = [key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+             for key, on in options.items() if key.startswith("pooling_mode_") and on is True]
+    return modes[0] if len(modes) == 1 else None
+
+
+def resolve_pooling(requested: str, model: nn.Module, source: str | None, architecture: str, head: str) -> str:
+    """``requested`` unless it is ``auto``; then ``mean_no_pooler``/``mean`` for a mean-pooled sentence
+    encoder's sequence classifier (with/without a pretrained pooler), else ``head``."""
+    if requested != "auto":
+        return requested
+    if architecture != "encoder" or head != "sequence_classification" or sentence_pooling_mode(source) != "mean":
+        return "head"
+    base = getattr(model, "base_model", None)
+    return "mean_no_pooler" if isinstance(getattr(base, "pooler", None), nn.Module) else "mean"
+
+
+def apply_pooling(model: nn.Module, pooling: str) -> None:
+    """Make ``model`` read what ``pooling`` (a resolved ``model.pooling``) says: nothing to do for
+    ``head``. For a plain transformers/PEFT load of a fedpeft export whose metadata names a mean pooling."""
+    if pooling not in ("head", "mean", "mean_no_pooler"):
+        raise ConfigError("model.pooling", f"{pooling!r} is not a resolved pooling (head, mean, mean_no_pooler)")
+    if pooling != "head":
+        attach_mean_pooling(model, skip_pooler=pooling == "mean_no_pooler")
