@@ -98,6 +98,8 @@ def test_cli_run_and_refuse_overwrite(toy_files: tuple[Path, Path], tmp_path: Pa
     assert (tmp_path / "run" / "metric.png").stat().st_size > 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["metric"] == "accuracy"
+    assert summary["pooling"] == "head"  # auto on a random tiny BERT: not a sentence encoder
+    assert "classifier reads the first token (head)" in " ".join(capsys.readouterr().out.split())
     assert main(["run", str(config)]) == 2  # refuses to overwrite
     assert "already holds a run" in " ".join(capsys.readouterr().out.split())
     assert main(["run", "--resume", str(tmp_path / "run"), "--set", "rounds=3"]) == 0

@@ -22,10 +22,13 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
 
     exp, cfg = engine.exp, engine.exp.cfg
     run_dir = engine.recorder.run_dir
+    pooling = exp.backbone.pooling  # model.pooling with auto resolved: say what the classifier reads
+    pooled = f", classifier reads the {'mean' if pooling != 'head' else 'first token'} ({pooling})" if (
+        exp.backbone.head == "sequence_classification" and exp.backbone.architecture == "encoder") else ""
     console.print(f"[bold]{cfg.method}[/] on [bold]{exp.task.name}[/] ({cfg.engine.kind} engine): "
                   f"{len(exp.task.train)} train / {len(exp.task.eval)} eval examples, {cfg.partition.num_clients} "
-                  f"clients ({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters "
-                  f"-> {run_dir}")
+                  f"clients ({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters"
+                  f"{pooled} -> {run_dir}")
     metric = exp.task.primary_metric
 
     def report(record: dict) -> None:
@@ -40,7 +43,7 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     summary = summarize(records, metric)
     # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
     summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
-                   computed_on=exp.slot.placement.describe())
+                   computed_on=exp.slot.placement.describe(), pooling=pooling)
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
