@@ -576,21 +576,6 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
         raise _format_validation_error(err) from None
 
 
-def config_differences(saved: ExperimentConfig, given: ExperimentConfig, ignore: tuple[str, ...] = ()) -> list[str]:
-    """Dotted fields whose values differ, as ``field (RUN in the run, GIVEN given)``; ``ignore`` names
-    fields or sections left out."""
-    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(node, dict):
-            return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): node}
-
-    before, after = flat(saved.model_dump(mode="json")), flat(given.model_dump(mode="json"))
-    skipped = tuple(f"{name}." for name in ignore)
-    keys = sorted(before.keys() | after.keys())
-    return [f"{key} ({before.get(key)!r} in the run, {after.get(key)!r} given)" for key in keys
-            if before.get(key) != after.get(key) and key not in ignore and not key.startswith(skipped)]
-
-
 def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
     """A YAML experiment file (or nothing) as a mapping, with ``--set`` overrides applied; the
     recipe's values are not merged in yet (see :func:`build_config`)."""

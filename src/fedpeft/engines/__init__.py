@@ -19,12 +19,13 @@ if TYPE_CHECKING:  # the engines' modules import torch; a Flower query handler n
 def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, plot: bool = False) -> None:
     """Run every round with a line per round, then write ``summary.json`` (and ``metric.png``)."""
     from fedpeft.metrics.summary import human_bytes, plot_metric, rounds_table, summarize
+    from fedpeft.models.pooling import pooling_applies
 
     exp, cfg = engine.exp, engine.exp.cfg
     run_dir = engine.recorder.run_dir
     pooling = exp.backbone.pooling  # model.pooling with auto resolved: say what the classifier reads
-    pooled = f", classifier reads the {'mean' if pooling != 'head' else 'first token'} ({pooling})" if (
-        exp.backbone.head == "sequence_classification" and exp.backbone.architecture == "encoder") else ""
+    pooled = (f", classifier reads the {'mean' if pooling != 'head' else 'first token'} ({pooling})"
+              if pooling_applies(exp.backbone.architecture, exp.backbone.head) else "")
     console.print(f"[bold]{cfg.method}[/] on [bold]{exp.task.name}[/] ({cfg.engine.kind} engine): "
                   f"{len(exp.task.train)} train / {len(exp.task.eval)} eval examples, {cfg.partition.num_clients} "
                   f"clients ({cfg.clients_per_round()} per round), {exp.trainable_params:,} trainable parameters"

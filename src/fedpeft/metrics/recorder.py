@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from fedpeft.config import ConfigError, ExperimentConfig, build_config, config_differences
+from fedpeft.config import ConfigError, ExperimentConfig, build_config
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -69,10 +69,10 @@ LATER_FIELDS: dict[tuple[str, ...], Any] = {
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
 
 
-def resume_fingerprint(cfg: ExperimentConfig) -> str:
-    """Hash of everything that must match to continue a run (not ``rounds``, ``output`` or the transport).
+def resume_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Everything that must match to continue a run (not ``rounds``, ``output`` or the transport).
 
-    The engine kind is hashed as ``local`` (all engines compute the same rounds), which keeps the
+    The engine kind counts as ``local`` (all engines compute the same rounds), which keeps the
     fingerprints of runs written before the other engines existed; :data:`LATER_FIELDS` at their
     defaults are left out for the same reason.
     """
@@ -89,7 +89,24 @@ def resume_fingerprint(cfg: ExperimentConfig) -> str:
             node = node[section]
         if node.get(field) == default:
             node.pop(field, None)
-    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+    return raw
+
+
+def resume_fingerprint(cfg: ExperimentConfig) -> str:
+    """Hash of :func:`resume_fields`."""
+    return hashlib.sha256(json.dumps(resume_fields(cfg), sort_keys=True).encode()).hexdigest()
+
+
+def resume_differences(saved: ExperimentConfig, given: ExperimentConfig) -> list[str]:
+    """The dotted :func:`resume_fields` that differ, as ``field (RUN in the run, GIVEN given)``."""
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): node}
+
+    before, after = flat(resume_fields(saved)), flat(resume_fields(given))
+    return [f"{key} ({before.get(key)!r} in the run, {after.get(key)!r} given)"
+            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
 
 
 class Recorder:
@@ -135,11 +152,11 @@ class Recorder:
         except (OSError, ConfigError, yaml.YAMLError) as err:
             raise CheckpointError(f"{saved} is not a valid config: {err}") from err
 
-    def _differences(self, cfg: ExperimentConfig) -> str:
-        """``: FIELD (RUN in the run, GIVEN given), ...`` against the run's config.yaml, or nothing to add."""
+    def _differences(self, cfg: ExperimentConfig, saved: ExperimentConfig | None = None) -> str:
+        """``: FIELD (RUN in the run, GIVEN given), ...`` against the run's config (``saved``, else its
+        config.yaml), or nothing to add."""
         try:
-            fields = config_differences(self._saved_config(), cfg, ignore=("rounds", "output", *(
-                f"engine.{name}" for name in (*TRANSPORT_FIELDS, "kind"))))
+            fields = resume_differences(saved or self._saved_config(), cfg)
         except CheckpointError:
             return ""
         return f": {'; '.join(fields[:5])}{' ...' if len(fields) > 5 else ''}" if fields else ""
@@ -159,7 +176,7 @@ class Recorder:
                 raise CheckpointError(f"no checkpoint and no {CONFIG} in {self.run_dir}: nothing to resume")
             saved_cfg = self._saved_config()
             if resume_fingerprint(saved_cfg) != resume_fingerprint(cfg):
-                raise CheckpointError(f"{saved} differs from the config given{self._differences(cfg)}; "
+                raise CheckpointError(f"{saved} differs from the config given{self._differences(cfg, saved_cfg)}; "
                                       "only rounds and output.* may change")
             return None
         try:

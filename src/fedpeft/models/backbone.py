@@ -40,7 +40,7 @@ from fedpeft.config import ConfigError, ModelConfig
 from fedpeft.data.types import TaskData
 from fedpeft.devices import quantization_kwargs
 from fedpeft.models.mpnet import mpnet_path
-from fedpeft.models.pooling import apply_pooling, resolve_pooling
+from fedpeft.models.pooling import apply_pooling, pooling_applies, resolve_pooling
 from fedpeft.models.verbalizer import default_template, verbalized_classifier
 
 Architecture = Literal["encoder", "decoder", "encoder_decoder"]
@@ -252,7 +252,7 @@ def load_backbone(cfg: ModelConfig, task: TaskData, seed: int, device: torch.dev
     architecture = architecture_of(config)
     head: Head = default_head(architecture, task) if cfg.head == "auto" else cfg.head
     _check_head(head, architecture, task)
-    if cfg.pooling not in ("auto", "head") and (architecture != "encoder" or head != "sequence_classification"):
+    if cfg.pooling not in ("auto", "head") and not pooling_applies(architecture, head):
         raise ConfigError("model.pooling", f"mean pooling is for an encoder's sequence_classification head, "
                                            f"not a {architecture} with a {head} head")
     if config.pad_token_id is None:

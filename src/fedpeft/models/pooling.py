@@ -143,12 +143,18 @@ def sentence_pooling_mode(source: str | None) -> str | None:
     return modes[0] if len(modes) == 1 else None
 
 
+def pooling_applies(architecture: str, head: str) -> bool:
+    """Whether ``model.pooling`` means anything: only an encoder's sequence classifier reads a first token
+    that a mean can stand in for."""
+    return architecture == "encoder" and head == "sequence_classification"
+
+
 def resolve_pooling(requested: str, model: nn.Module, source: str | None, architecture: str, head: str) -> str:
     """``requested`` unless it is ``auto``; then ``mean_no_pooler``/``mean`` for a mean-pooled sentence
     encoder's sequence classifier (with/without a pretrained pooler), else ``head``."""
     if requested != "auto":
         return requested
-    if architecture != "encoder" or head != "sequence_classification" or sentence_pooling_mode(source) != "mean":
+    if not pooling_applies(architecture, head) or sentence_pooling_mode(source) != "mean":
         return "head"
     base = getattr(model, "base_model", None)
     return "mean_no_pooler" if isinstance(getattr(base, "pooler", None), nn.Module) else "mean"
