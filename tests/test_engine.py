@@ -85,6 +85,40 @@ def test_resume_rejects_other_config_and_corrupt_checkpoint(toy_files: tuple[Pat
         run(raw, resume=True)
 
 
+def test_a_run_from_before_model_pooling_exports_and_resumes(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """Runs written before ``model.pooling`` existed trained with the head; their config.yaml lacks the key
+    and their fingerprint was hashed without it. They still export and resume (given the head)."""
+    import hashlib
+
+    import yaml
+
+    from fedpeft.export import read_run
+    from fedpeft.metrics.recorder import resume_fields
+
+    train, eval_ = toy_files
+    raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1, model={"pooling": "head"})
+    engine, _ = run(raw)
+    run_dir = tmp_path / "run"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["model"]["pooling"]  # what the code of that time wrote
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    old_fields = resume_fields(build_config(raw))
+    del old_fields["model"]["pooling"]
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    checkpoint["fingerprint"] = hashlib.sha256(json.dumps(old_fields, sort_keys=True).encode()).hexdigest()
+    torch.save(checkpoint, run_dir / "checkpoint.pt")
+
+    loaded = read_run(run_dir)
+    assert loaded.cfg.model.pooling == "head" and loaded.backbone.pooling == "head"
+    for key, value in engine.final_state.items():
+        assert torch.equal(loaded.backbone.model.state_dict()[key], value), key
+    today = dict(raw, model={k: v for k, v in raw["model"].items() if k != "pooling"}, rounds=2)
+    with pytest.raises(CheckpointError, match=r"model.pooling \('head' in the run, 'auto' given\)"):
+        run(today, resume=True)  # a config without the key means auto today: named, not silently resumed
+    _, records = run(dict(raw, rounds=2), resume=True)
+    assert [r["round"] for r in records] == [1, 2]
+
+
 def test_cli_run_and_refuse_overwrite(toy_files: tuple[Path, Path], tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     import yaml

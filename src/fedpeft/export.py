@@ -52,10 +52,18 @@ from fedpeft.adapters.base import HEAD_MODULE_NAMES, head_parameters
 from fedpeft.adapters.ia3 import ia3_config
 from fedpeft.adapters.lora import lora_config
 from fedpeft.adapters.prompts import PREFIX_MODULE, PROMPT_MODULE, cache_keyword, kv_geometry
-from fedpeft.config import ConfigError, ExperimentConfig, build_config
+from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.data.types import TaskData
 from fedpeft.experiment import build_model, load_data
-from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, CheckpointError, ExportError, check_state, resume_fingerprint
+from fedpeft.metrics.recorder import (
+    CHECKPOINT,
+    CONFIG,
+    CheckpointError,
+    ExportError,
+    check_state,
+    fingerprint_matches,
+    read_saved_config,
+)
 from fedpeft.models.backbone import AUTO_CLASSES, Backbone, Head, load_backbone
 from fedpeft.models.pooling import apply_pooling
 
@@ -113,7 +121,7 @@ def read_config(directory: Path) -> ExperimentConfig:
     if not path.exists():
         raise ExportError(f"{directory} is neither a run directory nor a fedpeft export (no {CONFIG})")
     try:
-        return build_config(yaml.safe_load(path.read_text()))
+        return read_saved_config(path)
     except (ConfigError, yaml.YAMLError) as err:
         raise ExportError(f"{path} is not a valid experiment config: {err}") from err
 
@@ -163,7 +171,7 @@ def read_run(run_dir: Path, data_dir: str | None = None) -> Run:
         raise ExportError(f"{run_dir} is not a directory")
     cfg = read_config(run_dir)
     checkpoint = read_checkpoint(run_dir)
-    if checkpoint.get("fingerprint") != resume_fingerprint(cfg):
+    if not fingerprint_matches(checkpoint.get("fingerprint"), cfg):
         raise ExportError(f"{run_dir / CHECKPOINT} was written by another experiment config than {run_dir / CONFIG}")
     task, _ = load_data(cfg, data_dir)
     backbone = trained_model(cfg, task, checkpoint["global_state"], run_dir / CHECKPOINT)

@@ -68,6 +68,13 @@ LATER_FIELDS: dict[tuple[str, ...], Any] = {
 """Config fields added after runs were already checkpointed, with their defaults: left out of the
 fingerprint while at the default, so those runs still resume (they ran with the default)."""
 
+BEFORE_FIELDS: dict[tuple[str, ...], Any] = {("model", "pooling"): "head"}
+"""Fields added without a :data:`LATER_FIELDS` entry, with what runs written before them did: such a
+run's config.yaml lacks the field (:func:`read_saved_config` fills the old value in) and its
+checkpoint's fingerprint was hashed without it (:func:`fingerprint_matches` accepts that hash).
+``model.pooling`` arrived with ``head`` as its default and is hashed as set since, and ``auto``
+became the default later, so a config without the key now means something else than it did."""
+
 
 def resume_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     """Everything that must match to continue a run (not ``rounds``, ``output`` or the transport).
@@ -92,9 +99,43 @@ def resume_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     return raw
 
 
+def _hash(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def resume_fingerprint(cfg: ExperimentConfig) -> str:
     """Hash of :func:`resume_fields`."""
-    return hashlib.sha256(json.dumps(resume_fields(cfg), sort_keys=True).encode()).hexdigest()
+    return _hash(resume_fields(cfg))
+
+
+def fingerprint_matches(fingerprint: Any, cfg: ExperimentConfig) -> bool:
+    """Whether a checkpoint's ``fingerprint`` was written by ``cfg``: its hash today, or the hash a run
+    written before the :data:`BEFORE_FIELDS` that ``cfg`` holds at their old values would carry."""
+    if fingerprint == resume_fingerprint(cfg):
+        return True
+    fields, before = resume_fields(cfg), False
+    for (*sections, field), value in BEFORE_FIELDS.items():
+        node = fields
+        for section in sections:
+            node = node[section]
+        if node.get(field) == value:
+            node.pop(field)
+            before = True
+    return before and fingerprint == _hash(fields)
+
+
+def read_saved_config(path: Path) -> ExperimentConfig:
+    """A run directory's ``config.yaml`` as the run ran it: :data:`BEFORE_FIELDS` it lacks take the value
+    they had before they existed (raises what :func:`build_config` and YAML raise, and OSError)."""
+    raw = yaml.safe_load(path.read_text())
+    if isinstance(raw, dict):
+        for (*sections, field), value in BEFORE_FIELDS.items():
+            node = raw
+            for section in sections:
+                node = node.get(section) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.setdefault(field, value)
+    return build_config(raw)
 
 
 def resume_differences(saved: ExperimentConfig, given: ExperimentConfig) -> list[str]:
@@ -148,7 +189,7 @@ class Recorder:
     def _saved_config(self) -> ExperimentConfig:
         saved = self.run_dir / CONFIG
         try:
-            return build_config(yaml.safe_load(saved.read_text()))
+            return read_saved_config(saved)
         except (OSError, ConfigError, yaml.YAMLError) as err:
             raise CheckpointError(f"{saved} is not a valid config: {err}") from err
 
@@ -186,7 +227,7 @@ class Recorder:
         missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
         if missing:
             raise CheckpointError(f"{self.checkpoint_path} is not a fedpeft checkpoint (no {', '.join(missing)})")
-        if state.get("fingerprint") != resume_fingerprint(cfg):
+        if not fingerprint_matches(state.get("fingerprint"), cfg):
             saved = self.run_dir / CONFIG
             raise CheckpointError(
                 f"{self.checkpoint_path} was written by a different experiment config than the one given "
