@@ -12,11 +12,14 @@ export TOKENIZERS_PARALLELISM := false
 
 env: $(STAMP)
 
-# torch first: the pinned CPU wheel; then the project, whose torch range 2.13.0 satisfies.
+# torch first: the pinned CPU wheel; then the project, whose torch range 2.13.0 satisfies. Where pip's
+# index serves torch's CUDA build for Linux (stock PyPI), TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build from PyTorch's own index instead.
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
