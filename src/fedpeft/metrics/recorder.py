@@ -76,6 +76,13 @@ checkpoint's fingerprint was hashed without it (:func:`fingerprint_matches` acce
 became the default later, so a config without the key now means something else than it did."""
 
 
+def _section(tree: Any, sections: list[str]) -> dict[str, Any] | None:
+    """The mapping at ``sections`` inside ``tree`` (a config as plain data), or None where there is none."""
+    for section in sections:
+        tree = tree.get(section) if isinstance(tree, dict) else None
+    return tree if isinstance(tree, dict) else None
+
+
 def resume_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     """Everything that must match to continue a run (not ``rounds``, ``output`` or the transport).
 
@@ -91,10 +98,8 @@ def resume_fields(cfg: ExperimentConfig) -> dict[str, Any]:
         raw["engine"].pop(key, None)
     raw["engine"]["kind"] = "local"
     for (*sections, field), default in LATER_FIELDS.items():
-        node = raw
-        for section in sections:
-            node = node[section]
-        if node.get(field) == default:
+        node = _section(raw, sections)
+        if node is not None and node.get(field) == default:
             node.pop(field, None)
     return raw
 
@@ -111,14 +116,13 @@ def resume_fingerprint(cfg: ExperimentConfig) -> str:
 def fingerprint_matches(fingerprint: Any, cfg: ExperimentConfig) -> bool:
     """Whether a checkpoint's ``fingerprint`` was written by ``cfg``: its hash today, or the hash a run
     written before the :data:`BEFORE_FIELDS` that ``cfg`` holds at their old values would carry."""
-    if fingerprint == resume_fingerprint(cfg):
+    fields = resume_fields(cfg)
+    if fingerprint == _hash(fields):
         return True
-    fields, before = resume_fields(cfg), False
+    before = False
     for (*sections, field), value in BEFORE_FIELDS.items():
-        node = fields
-        for section in sections:
-            node = node[section]
-        if node.get(field) == value:
+        node = _section(fields, sections)
+        if node is not None and node.get(field) == value:
             node.pop(field)
             before = True
     return before and fingerprint == _hash(fields)
@@ -128,13 +132,10 @@ def read_saved_config(path: Path) -> ExperimentConfig:
     """A run directory's ``config.yaml`` as the run ran it: :data:`BEFORE_FIELDS` it lacks take the value
     they had before they existed (raises what :func:`build_config` and YAML raise, and OSError)."""
     raw = yaml.safe_load(path.read_text())
-    if isinstance(raw, dict):
-        for (*sections, field), value in BEFORE_FIELDS.items():
-            node = raw
-            for section in sections:
-                node = node.get(section) if isinstance(node, dict) else None
-            if isinstance(node, dict):
-                node.setdefault(field, value)
+    for (*sections, field), value in BEFORE_FIELDS.items():
+        node = _section(raw, sections)
+        if node is not None:
+            node.setdefault(field, value)
     return build_config(raw)
 
 
