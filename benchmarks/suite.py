@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
-ORDER = ("defaults", "defaults_tuned", "no_pooler", "no_pooler_tuned", "federa", "federa_20ng", "federa_ner_qa",
-         "flasc", "fedtt", "headprune", "fedpeptao")
+ORDER = ("defaults", "defaults_tuned", "no_pooler", "no_pooler_tuned", "no_pooler_tuned_baselines", "federa",
+         "federa_20ng", "federa_ner_qa", "flasc", "fedtt", "headprune", "fedpeptao")
 
 
 def benchmarks() -> list[dict[str, Any]]:
