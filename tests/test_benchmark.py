@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     from fedpeft.cli import main
 
     path = tmp_path / "toy.yaml"
-    path.write_text(yaml.safe_dump(_benchmark(tmp_path), sort_keys=False))
+    spec = _benchmark(tmp_path)
+    spec["tune"]["include_defaults"] = True
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert main(["sweep", str(path), "--workers", "2"]) == 0
     results = json.loads((tmp_path / "results" / "toy.json").read_text())
     assert results["command"].startswith("fedpeft sweep") and results["benchmark"] == "toy"
@@ -108,6 +111,10 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert results["ceilings"][0]["partition"] == "centralized"
     tuned = results["tuning"]["toy_iid_lora"]
     assert tuned["trials"] == 2 and "client.lr" in tuned["best_params"]
+    with (tmp_path / "runs" / "tune" / "toy_iid_lora" / "trials.csv").open() as handle:
+        first = next(csv.DictReader(handle))  # tune.include_defaults: trial 0 ran the method's own lr
+    assert float(first["client.lr"]) == build_config({**spec["base"], "method": "lora"}).client.lr
+    assert first["note"] == "the config's own values"
     run_config = yaml.safe_load((tmp_path / "runs" / "toy_iid_lora_seed1" / "config.yaml").read_text())
     assert run_config["client"]["lr"] == pytest.approx(tuned["best_params"]["client.lr"])
     bytes_claim = results["claims"][0]["cells"][0]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from fedpeft.config import ConfigError, build_config
-from fedpeft.tune import ParamSpec, check_space, default_space, parse_space, tune, tuning_config
+from fedpeft.tune import ParamSpec, check_space, config_values, default_space, parse_space, tune, tuning_config
 from tests.conftest import tiny_raw_config, write_toy_sentiment
 
 
@@ -148,6 +148,28 @@ def test_sigkill_then_resume_continues_the_study(toy: tuple[dict[str, Any], Path
     assert len(rounds) == 6
     body = [(tmp_path / d / "best.yaml").read_text().split("\n", 1)[1] for d in ("killed", "full")]
     assert body[0] == body[1]  # the same config; only the header's trial number differs (a retried trial is new)
+
+
+def test_include_defaults_spends_trial_0_on_the_configs_values(toy: tuple[dict[str, Any], Path],
+                                                               tmp_path: Path) -> None:
+    from rich.console import Console
+
+    raw, _ = toy
+    quiet = Console(quiet=True)
+    lr = build_config(raw).client.lr
+    space = {"client.lr": ParamSpec(low=lr / 10, high=lr * 10, log=True),
+             "client.momentum": ParamSpec(low=0.5, high=0.6)}  # the config's 0.0 lies outside: sampled
+    assert config_values(build_config(raw), space) == {"client.lr": lr}
+    tune(raw, tmp_path / "with", 2, seed=3, space=space, pruner="none", include_defaults=True, console=quiet)
+    tune(raw, tmp_path / "without", 2, seed=3, space=space, pruner="none", console=quiet)
+    first, plain = _rows(tmp_path / "with"), _rows(tmp_path / "without")
+    assert float(first[0]["client.lr"]) == lr and first[0]["note"] == "the config's own values"
+    assert 0.5 <= float(first[0]["client.momentum"]) <= 0.6
+    assert float(plain[0]["client.lr"]) != lr and plain[0]["note"] == ""
+    # the option is part of the study's identity: the same folder refuses the other setting
+    with pytest.raises(ConfigError, match=r"TUNE_DIR: .* holds the study of another config"):
+        tune(raw, tmp_path / "without", 2, seed=3, space=space, pruner="none", include_defaults=True,
+             console=quiet)
 
 
 def test_default_space_and_bad_input(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:

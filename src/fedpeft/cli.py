@@ -189,8 +189,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"tune_{Path(args.config).stem}"
     space = load_space(args.space) if args.space else None
     tune(raw, out, args.trials, seed=args.seed, space=space, pruner=args.pruner, rounds=args.rounds,
-         validation_fraction=args.validation_fraction, prune_after=args.prune_after, data_dir=args.data_dir,
-         console=console)
+         validation_fraction=args.validation_fraction, prune_after=args.prune_after,
+         include_defaults=args.include_defaults, data_dir=args.data_dir, console=console)
     console.print(f"next: fedpeft run {out / 'best.yaml'}")
     return 0
 
@@ -420,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="first round at which the pruner may stop a trial (default: half the rounds)")
     tune.add_argument("--validation-fraction", type=float,
                       help="validation split carved from training (default: the config's, else 0.1)")
+    tune.add_argument("--include-defaults", action=argparse.BooleanOptionalAction, default=True,
+                      help="spend trial 0 on the config's own values, so the tune never picks one that scored "
+                           "below them (default: on)")
     _add_config_args(tune)
     tune.set_defaults(func=cmd_tune)
 

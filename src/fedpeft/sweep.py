@@ -76,6 +76,9 @@ class TuneBlock(_Strict):
     space: dict[str, Any] | None = None  # one space for every method (default: each recipe's own)
     spaces: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per method name
     skip: list[str] = Field(default_factory=list)  # methods run as configured (e.g. a paper's fixed values)
+    # trial 0 at each method's own values (`fedpeft tune --include-defaults`); off, as the committed
+    # benchmarks' tunes ran, so they re-draw the same trials from a clean clone
+    include_defaults: bool = False
 
 
 class CeilingBlock(_Strict):
@@ -402,7 +405,8 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(yaml.safe_dump(job.raw, sort_keys=False))
         args = ["tune", str(config), "--trials", str(tune.trials), "--out", str(sweep.tune_dir(key)), "--seed",
-                str(tune.seed), "--pruner", tune.pruner, "--validation-fraction", str(tune.validation_fraction)]
+                str(tune.seed), "--pruner", tune.pruner, "--validation-fraction", str(tune.validation_fraction),
+                "--include-defaults" if tune.include_defaults else "--no-include-defaults"]
         space = tune.spaces.get(job.method, tune.space)
         if space is not None:
             space_file = configs / f"space_{key}.yaml"

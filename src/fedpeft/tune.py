@@ -29,7 +29,9 @@ the same values from its last checkpoint, so at most its current round is lost.
 The search space is the recipe's own (``tune:`` in its YAML, see :mod:`fedpeft.recipes`), else
 derived from its defaults (client lr log-uniform over [lr/10, 10 lr]; the server lr likewise where
 the strategy has one); a ``--space`` YAML of ``dotted.key: {low, high, log}`` (or ``{choices:
-[...]}``, ``type: int``) replaces it.
+[...]}``, ``type: int``) replaces it. ``fedpeft tune`` spends its first trial on the config's own
+values (``--no-include-defaults`` leaves every trial to the sampler), so its choice never scored
+below the config it started from on validation; without it a tune is only as good as its draws.
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ class ParamSpec(BaseModel):
             return trial.suggest_int(name, int(self.low), int(self.high), log=self.log)
         return trial.suggest_float(name, self.low, self.high, log=self.log)
 
+    def contains(self, value: Any) -> bool:
+        """Whether ``value`` is one this spec can draw (a choice, or inside the range)."""
+        if self.type == "categorical":
+            return value in (self.choices or [])
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        assert self.low is not None and self.high is not None
+        return self.low <= value <= self.high and (self.type != "int" or float(value).is_integer())
+
     def extremes(self) -> list[Any]:
         """Values at the edges of the space, to validate before any training."""
         if self.type == "categorical":
@@ -160,13 +171,28 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def _has_key(dumped: dict[str, Any], dotted: str) -> bool:
+_MISSING = object()
+
+
+def _get_dotted(dumped: dict[str, Any], dotted: str) -> Any:
     node: Any = dumped
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False
+            return _MISSING
         node = node[part]
-    return True
+    return node
+
+
+def _has_key(dumped: dict[str, Any], dotted: str) -> bool:
+    return _get_dotted(dumped, dotted) is not _MISSING
+
+
+def config_values(cfg: ExperimentConfig, space: Space) -> dict[str, Any]:
+    """The config's own value of each searched key, where the space can draw it (a recipe's defaults
+    lie inside its own space; a value outside a user's space is left to the sampler)."""
+    dumped = cfg.model_dump(mode="json")
+    return {key: value for key, spec in space.items()
+            if (value := _get_dotted(dumped, key)) is not _MISSING and spec.contains(value)}
 
 
 def check_space(space: Space, raw: dict[str, Any], source: str = "space") -> None:
@@ -243,21 +269,28 @@ def _pruner(kind: str, prune_after: int) -> Any:
     return optuna.pruners.NopPruner()
 
 
-def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, prune_after: int) -> str:
+def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, prune_after: int,
+                 include_defaults: bool) -> str:
     resolved = build_config(base).model_dump(mode="json")
     resolved.pop("output")
     blob = {"config": resolved, "space": {k: v.model_dump() for k, v in space.items()}, "seed": seed,
             "pruner": pruner, "prune_after": prune_after}
+    if include_defaults:  # only when on, so the studies made before the option still match
+        blob["include_defaults"] = True
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, space: Space | None = None,
          pruner: Literal["median", "halving", "none"] = "median", rounds: int | None = None,
          validation_fraction: float | None = None, prune_after: int | None = None,
-         data_dir: str | None = None, console: Console | None = None) -> TuneResult:
+         include_defaults: bool = False, data_dir: str | None = None,
+         console: Console | None = None) -> TuneResult:
     """Run (or resume) a study of ``trials`` trials of the config ``raw`` in ``tune_dir``.
 
     ``prune_after``: the first round at which the pruner may stop a trial (default: half the rounds).
+    ``include_defaults``: trial 0 runs the config's own values (:func:`config_values`; one of the
+    ``trials``), so the tune never picks anything that scored below them on validation. Off here and in
+    sweep files (the committed benchmarks' tunes drew without it); ``fedpeft tune`` turns it on.
     """
     import optuna
 
@@ -273,7 +306,7 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
         raise ConfigError("--prune-after", f"must be a round from 1 to the trial's {cfg.rounds} rounds, "
                           f"got {prune_after}")
     tune_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(base, space, seed, pruner, prune_after)
+    fingerprint = _fingerprint(base, space, seed, pruner, prune_after, include_defaults)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=f"sqlite:///{tune_dir / 'study.db'}", study_name=STUDY,
                                 direction="maximize", pruner=_pruner(pruner, prune_after), load_if_exists=True)
@@ -282,8 +315,10 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
         study.set_user_attr("fingerprint", fingerprint)
         study.set_user_attr("space", {k: v.model_dump() for k, v in space.items()})
     elif saved != fingerprint:
-        raise ConfigError("TUNE_DIR", f"{tune_dir} holds the study of another config, space, seed or pruner; "
-                          "use another --out (or delete it)")
+        raise ConfigError("TUNE_DIR", f"{tune_dir} holds the study of another config, space, seed, pruner "
+                          "or --include-defaults; use another --out (or delete it)")
+    if include_defaults and not study.trials and (start := config_values(cfg, space)):
+        study.enqueue_trial(start, user_attrs={"note": "the config's own values"})
     _retry_interrupted(study)
     metric_holder: dict[str, str] = {}
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -307,7 +342,7 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
                                               lambda: progress.advance(round_bar))
             trial.set_user_attr("seconds", time.perf_counter() - started)
             if reason:
-                trial.set_user_attr("note", reason)
+                trial.set_user_attr("note", "; ".join(filter(None, [trial.user_attrs.get("note"), reason])))
             if state == "complete":
                 study.tell(trial, value)
             elif state == "pruned":
@@ -344,8 +379,8 @@ def _retry_interrupted(study: Any) -> None:
         storage = study._storage
         storage.set_trial_user_attr(trial._trial_id, "retried", True)
         storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        study.enqueue_trial(trial.params, user_attrs={"run_dir": trial.user_attrs.get("run_dir")},
-                            skip_if_exists=False)
+        kept = {key: value for key, value in trial.user_attrs.items() if key in ("run_dir", "note")}
+        study.enqueue_trial(trial.params, user_attrs=kept, skip_if_exists=False)
 
 
 def _run_trial(trial: Any, base: dict[str, Any], params: dict[str, Any], run_dir: Path, data_dir: str | None,
