@@ -183,10 +183,6 @@ def _get_dotted(dumped: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def _has_key(dumped: dict[str, Any], dotted: str) -> bool:
-    return _get_dotted(dumped, dotted) is not _MISSING
-
-
 def config_values(cfg: ExperimentConfig, space: Space) -> dict[str, Any]:
     """The config's own value of each searched key, where the space can draw it (a recipe's defaults
     lie inside its own space; a value outside a user's space is left to the sampler)."""
@@ -199,7 +195,7 @@ def check_space(space: Space, raw: dict[str, Any], source: str = "space") -> Non
     """Every key names a value of the resolved config, and the config is valid at every edge."""
     dumped = build_config(raw).model_dump(mode="json")
     for key, spec in space.items():
-        if not _has_key(dumped, key):
+        if _get_dotted(dumped, key) is _MISSING:
             raise ConfigError(f"{source}.{key}", "unknown config key (not a field of the resolved config)")
         for value in spec.extremes():
             try:
