@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from fedpeft.config import ConfigError, build_config
+from fedpeft.recipes import RECIPES
 from fedpeft.tune import ParamSpec, check_space, config_values, default_space, parse_space, tune, tuning_config
 from tests.conftest import tiny_raw_config, write_toy_sentiment
 
@@ -170,6 +171,18 @@ def test_include_defaults_spends_trial_0_on_the_configs_values(toy: tuple[dict[s
     with pytest.raises(ConfigError, match=r"TUNE_DIR: .* holds the study of another config"):
         tune(raw, tmp_path / "without", 2, seed=3, space=space, pruner="none", include_defaults=True,
              console=quiet)
+
+
+@pytest.mark.parametrize("method", sorted(RECIPES))
+def test_every_recipe_carries_a_space_that_holds_its_defaults(method: str) -> None:
+    """A recipe's own space (not the derived decade either side of its defaults, which for the
+    released HetLoRA held only collapsing values) is valid at every edge and holds its defaults, so a
+    tune's trial 0 re-runs them."""
+    assert RECIPES[method].tune, f"recipes/{method}.yaml has no tune: block"
+    cfg = build_config({"method": method})
+    space = default_space(cfg)
+    check_space(space, {"method": method}, f"recipes/{method}.yaml tune")
+    assert set(config_values(cfg, space)) == set(space)
 
 
 def test_default_space_and_bad_input(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:

@@ -26,12 +26,12 @@ Everything lives in ``TUNE_DIR``: Optuna's SQLite storage
 best.yaml``). A killed tune resumes where it stopped: the trial that was running is retried with
 the same values from its last checkpoint, so at most its current round is lost.
 
-The search space is the recipe's own (``tune:`` in its YAML, see :mod:`fedpeft.recipes`), else
-derived from its defaults (client lr log-uniform over [lr/10, 10 lr]; the server lr likewise where
-the strategy has one); a ``--space`` YAML of ``dotted.key: {low, high, log}`` (or ``{choices:
-[...]}``, ``type: int``) replaces it. ``fedpeft tune`` spends its first trial on the config's own
-values (``--no-include-defaults`` leaves every trial to the sampler), so its choice never scored
-below the config it started from on validation; without it a tune is only as good as its draws.
+The search space is the recipe's own (``tune:`` in its YAML, see :mod:`fedpeft.recipes`: the
+client lr log-uniform, and the server lr where the strategy steps with one); a ``--space`` YAML of
+``dotted.key: {low, high, log}`` (or ``{choices: [...]}``, ``type: int``) replaces it. ``fedpeft
+tune`` spends its first trial on the config's own values (``--no-include-defaults`` leaves every
+trial to the sampler), so its choice never scored below the config it started from on validation;
+without it a tune is only as good as its draws.
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ from fedpeft.seeding import derive_seed
 
 DEFAULT_VALIDATION_FRACTION = 0.1
 STUDY = "fedpeft-tune"
-SERVER_LR_STRATEGIES = frozenset({"fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedadamw"})
-"""Strategies whose ``server_lr`` is a step size worth tuning (FedAvg's 1.0 is plain averaging)."""
 
 
 class ParamSpec(BaseModel):
@@ -143,18 +141,11 @@ def load_space(path: str | Path) -> Space:
 
 
 def default_space(cfg: ExperimentConfig) -> Space:
-    """The recipe's ``tune:`` space, else client lr (and the server lr where the strategy steps) over a
-    decade either side of the recipe's value."""
+    """The recipe's own ``tune:`` space. Every recipe carries one: a space derived from the defaults
+    (a decade either side) held only collapsing values for the released HetLoRA."""
     from fedpeft.recipes import RECIPES
 
-    recipe = RECIPES[cfg.method]
-    if recipe.tune:
-        return parse_space(recipe.tune, f"recipes/{cfg.method}.yaml tune")
-    space = {"client.lr": ParamSpec(low=cfg.client.lr / 10, high=cfg.client.lr * 10, log=True)}
-    if cfg.strategy.name in SERVER_LR_STRATEGIES:
-        lr = cfg.strategy.server_lr
-        space["strategy.server_lr"] = ParamSpec(low=lr / 10, high=lr * 10, log=True)
-    return space
+    return parse_space(RECIPES[cfg.method].tune, f"recipes/{cfg.method}.yaml tune")
 
 
 def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:

@@ -8,13 +8,13 @@ Each recipe is one YAML file in this folder::
     paper: where the method comes from (optional)
     defaults: {adapter: ..., client: ..., strategy: ..., codec: ...}
     paper_values: {client: {lr: ...}}   # the paper's values where the defaults differ (optional)
-    tune: {client.lr: {low: ..., high: ..., log: true}}   # `fedpeft tune`'s search space (optional)
+    tune: {client.lr: {low: ..., high: ..., log: true}}   # `fedpeft tune`'s search space
 
 The user's config is merged over ``defaults``, so every default can be overridden. ``defaults``
 are values that learn in short runs (tens of rounds); where the paper used other values for its
 runs of hundreds of rounds, ``paper_values`` keeps them and ``paper_defaults: true`` in a config
-selects them. ``tune`` is the recipe's own search space (:mod:`fedpeft.tune` derives one when
-it is absent).
+selects them. ``tune`` is the recipe's own search space (every recipe has one: the client learning
+rate, and the server learning rate where the strategy steps with one).
 """
 
 from __future__ import annotations
