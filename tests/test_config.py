@@ -20,7 +20,8 @@ def test_recipe_defaults_under_user_values() -> None:
 
 @pytest.mark.parametrize(("method", "short", "paper"), [
     ("flasc", {"client.lr": 0.17, "strategy.server_lr": 0.02}, {"client.lr": 0.0005, "strategy.server_lr": 0.001}),
-    ("headprune_b1", {"client.batch_size": 16}, {"client.batch_size": 80}),
+    ("headprune_b1", {"client.batch_size": 16, "client.lr": 0.00096}, {"client.batch_size": 80, "client.lr": 0.0005}),
+    ("hetlora", {"client.lr": 0.0087, "strategy.server_lr": 0.013}, {"client.lr": 0.0005, "strategy.server_lr": 0.005}),
     ("ffa_lora", {"client.lr": 0.002}, {"client.lr": 0.001}),
 ])
 def test_paper_defaults_select_the_papers_values(method: str, short: dict, paper: dict) -> None:
