@@ -87,6 +87,36 @@ def test_ceiling_config_applies_to_the_ceiling_over_tuned_values(tmp_path: Path)
         expand({**spec, "ceiling": {**spec["ceiling"], "config": {"client": {"lr": -1}}}})
 
 
+def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: Path) -> None:
+    """``--only`` runs one part of a benchmark: the runs named, the tunes they wait for (a method left out
+    is not tuned) and the ceiling of each task kept (so their claims can be judged); a name the file does
+    not hold is refused, as is a malformed item."""
+    from fedpeft.sweep import parse_only, restrict
+
+    spec = _benchmark(tmp_path)
+    spec["partitions"]["skew"] = {"partition": {"kind": "dirichlet", "alpha": 0.5, "num_clients": 4}}
+    sweep = expand(spec)
+    part = restrict(sweep, parse_only(["method=bitfit", "seed=1", "partition=skew"]))
+    assert [r.name for r in part.runs] == ["toy_skew_bitfit_seed1", "toy_centralized_lora_seed0"]
+    assert set(part.tunes) == {"toy_iid_bitfit", "toy_iid_lora"}  # tuned on the first partition; lora for its ceiling
+    assert [r.name for r in restrict(sweep, parse_only(["method=bitfit", "seed=0,1"])).runs] == [
+        "toy_iid_bitfit_seed0", "toy_skew_bitfit_seed0", "toy_iid_bitfit_seed1", "toy_skew_bitfit_seed1",
+        "toy_centralized_lora_seed0"]
+    assert len(restrict(sweep, {}).runs) == len(sweep.runs)
+    with pytest.raises(ConfigError,
+                       match=r"--only: partition dirichlet0\.1 not in the sweep file \(it has iid, skew\)"):
+        restrict(sweep, parse_only(["partition=dirichlet0.1"]))
+    for bad in ("method", "rounds=3", "task="):
+        with pytest.raises(ConfigError, match=r"--only: expected KEY=V1,V2"):
+            parse_only([bad])
+    from fedpeft.cli import main
+
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main(["sweep", str(path), "--only", "task=ghost"]) == 2  # refused before anything runs
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     from fedpeft.cli import main

@@ -158,17 +158,20 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
-    from fedpeft.sweep import load_sweep, run_sweep
+    from fedpeft.sweep import load_sweep, parse_only, restrict, run_sweep
 
+    only = parse_only(args.only)
     if args.report_only:
         sweep = load_sweep(Path(args.sweep))
+        restrict(sweep, only)  # a misspelt --only fails here too
     else:
-        sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print)
+        sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print,
+                          only=only)
     if sweep.is_benchmark:
         from fedpeft.metrics.results import write_results
 
         command = " ".join(["fedpeft sweep", args.sweep, *(["--workers", str(args.workers)] if args.workers > 1
-                                                           else [])])
+                                                           else []), *(f"--only {item}" for item in args.only)])
         for path in write_results(sweep, command).values():
             console.print(f"wrote {path}")
         return 0
@@ -436,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--data-dir", help="folder of the benchmark data")
     sweep.add_argument("--report-only", action="store_true",
                        help="run nothing: write the results of the runs that finished (the rest listed as not run)")
+    sweep.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
+                       help="run only these cells (KEY: task, method, partition or seed; repeatable): a large "
+                            "benchmark one part at a time; the results cover every run finished so far")
     _add_report_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
     _add_deploy_parser(sub)

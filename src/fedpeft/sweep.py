@@ -370,6 +370,43 @@ def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
     return raw
 
 
+ONLY_KEYS = ("task", "method", "partition", "seed")
+
+
+def parse_only(items: list[str]) -> dict[str, set[str]]:
+    """``--only KEY=V1,V2`` (repeatable) -> {key: values}; KEY is one of :data:`ONLY_KEYS`."""
+    only: dict[str, set[str]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or key not in ONLY_KEYS or not values:
+            raise ConfigError("--only", f"expected KEY=V1,V2 with KEY one of {', '.join(ONLY_KEYS)}, got {item!r}")
+        only.setdefault(key, set()).update(v for v in values.split(",") if v)
+    return only
+
+
+def restrict(sweep: Sweep, only: dict[str, set[str]]) -> Sweep:
+    """Keep the runs whose task, method, partition and seed are in ``only`` (a key left out keeps all), and
+    the tunes they wait for: one cell of a large benchmark can run first and the rest later, into the same
+    folder. A task's centralised ceiling stays with its task (its method and partition are not filtered), so
+    the cells that run can be judged. A name that matches nothing is an error, not an empty run."""
+    spec = sweep.spec
+    known = {"task": set(spec.tasks), "method": set(spec.methods), "partition": set(spec.partitions),
+             "seed": {str(s) for s in spec.seeds}}
+    for key, values in only.items():
+        if unknown := sorted(values - known[key]):
+            raise ConfigError("--only", f"{key} {', '.join(unknown)} not in the sweep file (it has "
+                              f"{', '.join(sorted(known[key])) or 'none'})")
+
+    def keep(run: SweepRun) -> bool:
+        fields = {"task": run.task, "method": run.method, "partition": run.partition, "seed": str(run.seed)}
+        checked = ("task",) if run.ceiling else ONLY_KEYS
+        return all(key not in only or fields[key] in only[key] for key in checked)
+
+    runs = [run for run in sweep.runs if keep(run)]
+    needed = {run.tune_key for run in runs if run.tune_key is not None}
+    return Sweep(spec, sweep.path, sweep.base, runs, {k: v for k, v in sweep.tunes.items() if k in needed})
+
+
 def finished(run_dir: Path) -> bool:
     return (run_dir / SUMMARY).exists()
 
@@ -387,10 +424,12 @@ def _fedpeft(args: list[str], log: Path) -> int:
 
 
 def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
-              say: Callable[[str], None] = print) -> Sweep:
+              say: Callable[[str], None] = print, only: dict[str, set[str]] | None = None) -> Sweep:
     """Tune (once per method and task or cell) and run every seed and ceiling, each run once its own tune has
-    finished (:func:`schedule`); skip what is done."""
-    sweep = load_sweep(path)
+    finished (:func:`schedule`); skip what is done. ``only``: run just those cells (:func:`restrict`); the
+    sweep returned is the whole file, so its report covers every run finished so far."""
+    whole = load_sweep(path)
+    sweep = restrict(whole, only) if only else whole
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
     extra = ["--data-dir", data_dir] if data_dir else []
@@ -436,7 +475,7 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         say(f"{run.name}: " + ("done" if code == 0 else f"failed (see {logs / f'{run.name}.log'})"))
 
     schedule(sweep, workers, do_tune, do_run)
-    return sweep
+    return whole
 
 
 def schedule(sweep: Sweep, workers: int, do_tune: Callable[[str], None], do_run: Callable[[SweepRun], None]) -> None:
