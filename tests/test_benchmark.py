@@ -117,6 +117,28 @@ def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: 
     assert not (tmp_path / "runs").exists()
 
 
+def test_missing_cells_say_what_is_left_in_a_line_per_task(tmp_path: Path) -> None:
+    """A benchmark run one part at a time lists what is left by task, partitions with the same gap merged."""
+    from fedpeft.metrics.results import missing_cells
+
+    spec = _benchmark(tmp_path)
+    spec["tasks"]["other"] = {}
+    spec["partitions"]["skew"] = {"partition": {"kind": "dirichlet", "alpha": 0.5, "num_clients": 4}}
+    spec["seeds"] = [0, 1, 2]
+    sweep = expand(spec)
+    done = {"toy_iid_lora_seed0", "toy_iid_lora_seed1", "toy_iid_lora_seed2", "toy_centralized_lora_seed0",
+            "toy_skew_lora_seed0", "toy_skew_lora_seed1", "toy_skew_lora_seed2", "toy_iid_bitfit_seed0"}
+    missing = [run.name for run in sweep.runs if run.name not in done]
+    assert missing_cells(sweep, missing) == [
+        "toy (5 of 13 runs): iid: bitfit, seeds 1, 2; skew: bitfit, seeds 0, 1, 2",
+        "other: all 13 runs"]
+    done |= {"toy_iid_bitfit_seed1", "toy_iid_bitfit_seed2"}
+    done -= {"toy_centralized_lora_seed0"}
+    missing = [run.name for run in sweep.runs if run.name not in done and run.task == "toy"]
+    assert missing_cells(sweep, missing) == ["toy (4 of 13 runs): skew: bitfit, seeds 0, 1, 2; the ceiling (seed 0)"]
+    assert missing_cells(sweep, []) == []
+
+
 @pytest.mark.slow
 def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     from fedpeft.cli import main
@@ -170,7 +192,9 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert partial["missing_runs"] == ["toy_iid_bitfit_seed1"] and len(partial["rows"]) == 3
     assert partial["claims"][0]["cells"][0]["paired"] is None  # one seed in common: no interval of gaps
     assert not (tmp_path / "runs" / "toy_iid_bitfit_seed1" / "summary.json").exists()
-    assert "Not finished (left out): toy_iid_bitfit_seed1" in (tmp_path / "results" / "toy.md").read_text()
+    assert partial["missing_cells"] == ["toy (1 of 5 runs): iid: bitfit, seed 1"]
+    assert "Not finished (left out), 1 runs:\n\n- toy (1 of 5 runs): iid: bitfit, seed 1" in (
+        tmp_path / "results" / "toy.md").read_text()
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "benchmarks").glob("*.yaml")),

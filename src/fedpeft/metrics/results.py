@@ -148,6 +148,39 @@ def tuning_summary(sweep: Sweep) -> dict[str, Any]:
     return out
 
 
+def _seeds(seeds: set[int]) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(seed) for seed in sorted(seeds))
+
+
+def missing_cells(sweep: Sweep, missing: Sequence[str]) -> list[str]:
+    """What has not run, one line per task, partitions with the same gap merged: a benchmark run one
+    part at a time (``fedpeft sweep --only``) lists its 150 unfinished runs as three lines, not 150 names."""
+    gone = set(missing)
+    lines = []
+    for task in dict.fromkeys(run.task for run in sweep.runs):
+        runs = [run for run in sweep.runs if run.task == task]
+        absent = [run for run in runs if run.name in gone]
+        if not absent:
+            continue
+        title = task or "runs"
+        if len(absent) == len(runs):
+            lines.append(f"{title}: all {len(runs)} runs")
+            continue
+        gaps: dict[str, list[str]] = {}  # the gap ("methods, seeds") -> partitions with it
+        for partition in dict.fromkeys(run.partition for run in runs if not run.ceiling):  # the file's order
+            cell = [run for run in runs if run.partition == partition and not run.ceiling]
+            if not (lost := [run for run in absent if run.partition == partition and not run.ceiling]):
+                continue
+            methods = list(dict.fromkeys(run.method for run in lost))
+            what = "every method" if len(lost) == len(cell) else ", ".join(methods)
+            gaps.setdefault(f"{what}, {_seeds({run.seed for run in lost})}", []).append(partition or "-")
+        parts = [f"{', '.join(partitions)}: {gap}" for gap, partitions in gaps.items()]
+        if ceilings := {run.seed for run in absent if run.ceiling}:
+            parts.append(f"the ceiling ({_seeds(ceilings)})")
+        lines.append(f"{title} ({len(absent)} of {len(runs)} runs): " + "; ".join(parts))
+    return lines
+
+
 def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
     """Write ``NAME.json``, ``NAME.md`` and the figures into the sweep's results folder."""
     name = sweep.spec.name or "benchmark"
@@ -165,7 +198,8 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
         "tune": None if sweep.spec.tune is None else sweep.spec.tune.model_dump(),
         "rows": [{k: r.get(k) for k in SPEC_FIELDS} for r in rows],
         "summary": summary, "ceilings": ceilings, "claims": claims, "tuning": tuning_summary(sweep),
-        "missing_runs": missing, "notes": sweep.spec.notes, "computed_on": computed_on([*rows, *ceiling_rows]),
+        "missing_runs": missing, "missing_cells": missing_cells(sweep, missing), "notes": sweep.spec.notes,
+        "computed_on": computed_on([*rows, *ceiling_rows]),
     }
     paths = {"json": folder / f"{name}.json", "md": folder / f"{name}.md"}
     paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -261,7 +295,8 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                              f"{same_seeds} | {values} |")
         lines.append("")
     if data["missing_runs"]:
-        lines += [f"Not finished (left out): {', '.join(data['missing_runs'])}", ""]
+        lines += [f"Not finished (left out), {len(data['missing_runs'])} runs:", "",
+                  *(f"- {line}" for line in data["missing_cells"]), ""]
     for note in data["notes"]:
         lines += [note.strip(), ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
