@@ -41,7 +41,8 @@ def section(data: dict[str, Any]) -> list[str]:
     lines = [f"#### `{name}`", "", f"`{data['command']}` — [{name}.md](benchmarks/results/{name}.md)", ""]
     if data.get("missing_runs"):
         lines += [f"**Partial**: {len(data['rows'])} federated runs finished, {len(data['missing_runs'])} not yet "
-                  f"({'; '.join(data['missing_cells'])}); `fedpeft sweep benchmarks/{name}.yaml` finishes them.", ""]
+                  f"({'; '.join(data.get('missing_cells') or data['missing_runs'])}); "  # older files: run names
+                  f"`fedpeft sweep benchmarks/{name}.yaml` finishes them.", ""]
     ceilings = {row["task"]: row for row in data["ceilings"]}
     for task, row in ceilings.items():
         lines.append(f"Centralised ceiling on {task} ({row['method']}): best {row['metric']} "
