@@ -116,3 +116,30 @@ def test_grammar_errors_name_the_field() -> None:
     for bad in ("import os", "lora.final >= max(1, 2)", "lora.final >=", "lora[0].final > 1", "__import__('os')"):
         with pytest.raises(ConfigError, match=r"claims\.check"):
             references(bad)
+
+
+def test_a_claim_reading_a_cell_where_the_baseline_did_not_learn_is_not_reached() -> None:
+    """The drop from iid to Dirichlet(0.1) is judged in the iid cell, but it reads the 0.1 cell too: where the
+    baseline ended there at the majority class, both methods 'lose the same' and the claim is not reached,
+    naming that cell; where the baseline learned in both, the check decides."""
+    from types import SimpleNamespace
+
+    from fedpeft.metrics.results import judge_claims
+    from fedpeft.sweep import ClaimSpec
+
+    def row(partition: str, method: str, final: float) -> dict:
+        return {"task": "sst2", "partition": partition, "method": method, "final_metric": final,
+                "final_metric_ci": [final - 0.01, final + 0.01]}
+
+    claim = ClaimSpec(id="drop", claim="x", baseline="lora", where={"partition": "iid"},
+                      check='federa["iid"].final - federa["a0.1"].final < lora["iid"].final - lora["a0.1"].final')
+    sweep = SimpleNamespace(spec=SimpleNamespace(claims=[claim]))
+    ceilings = [{"task": "sst2", "best_metric": 0.82}]  # 90%: 0.738
+    collapsed = [row("iid", "lora", 0.82), row("iid", "federa", 0.83), row("a0.1", "lora", 0.51),
+                 row("a0.1", "federa", 0.60)]
+    cell = judge_claims(sweep, collapsed, ceilings)[0]["cells"]
+    assert [c["partition"] for c in cell] == ["iid"] and cell[0]["verdict"] == NOT_REACHED
+    assert "baseline lora ended at 0.510 in sst2/a0.1, below 90% of its centralised ceiling" in cell[0]["why"]
+    assert "the check alone says: confirmed" in cell[0]["why"]  # 0.23 < 0.31 would have passed
+    learned = [*collapsed[:2], row("a0.1", "lora", 0.74), row("a0.1", "federa", 0.82)]
+    assert judge_claims(sweep, learned, ceilings)[0]["cells"][0]["verdict"] == "confirmed"  # 0.01 < 0.08

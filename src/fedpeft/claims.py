@@ -16,8 +16,9 @@ expression is evaluated with interval arithmetic; a comparison ``L >= R`` is **c
 it holds at the pessimistic end (lower(L - R) >= 0), **refuted** when it fails even at the
 optimistic end (upper(L - R) < 0), else **within noise**; ``and`` is confirmed when every part is,
 refuted when any part is. A claim is **not reached** when its ``baseline`` ends below 90% of its
-centralised ceiling (no conclusion at a budget where the baseline has not learned), or when a
-quantity is missing (e.g. a target never reached).
+centralised ceiling in the cell judged or in any other cell the check reads (no conclusion at a
+budget where the baseline has not learned: two methods both at the majority class "lose the same"),
+or when a quantity is missing (e.g. a target never reached).
 
 :func:`judge_paired` judges the same check seed by seed: runs with one seed share their
 partition and the clients drawn each round, so each comparison's gap is taken within a seed and
@@ -236,14 +237,16 @@ def _all_of(parts: list[str]) -> str:
 
 
 def gate(judgement: Judgement, baseline: str | None, baseline_final: float | None,
-         ceiling: float | None) -> Judgement:
-    """No verdict where the claim's baseline ended below 90% of its centralised ceiling."""
+         ceiling: float | None, cell: str = "") -> Judgement:
+    """No verdict where the claim's baseline ended below 90% of its centralised ceiling (``cell``: the
+    cell it ended there, when that is another cell the check reads)."""
     if baseline is None or baseline_final is None or ceiling is None:
         return judgement
     if baseline_final < CEILING_FRACTION * ceiling:
+        where = f" in {cell}" if cell else ""
         return Judgement(NOT_REACHED, judgement.values,
-                         f"baseline {baseline} ended at {baseline_final:.3f}, below 90% of its centralised ceiling "
-                         f"{ceiling:.3f} (the check alone says: {judgement.verdict}"
+                         f"baseline {baseline} ended at {baseline_final:.3f}{where}, below 90% of its centralised "
+                         f"ceiling {ceiling:.3f} (the check alone says: {judgement.verdict}"
                          f"{'; ' + judgement.why if judgement.why else ''})")
     return judgement
 
