@@ -387,8 +387,8 @@ def parse_only(items: list[str]) -> dict[str, set[str]]:
 def restrict(sweep: Sweep, only: dict[str, set[str]]) -> Sweep:
     """Keep the runs whose task, method, partition and seed are in ``only`` (a key left out keeps all), and
     the tunes they wait for: one cell of a large benchmark can run first and the rest later, into the same
-    folder. A task's centralised ceiling stays with its task (its method and partition are not filtered), so
-    the cells that run can be judged. A name that matches nothing is an error, not an empty run."""
+    folder. A task's centralised ceiling stays with its task (its method, partition and seed are not filtered),
+    so the cells that run can be judged. A name that matches nothing is an error, not an empty run."""
     spec = sweep.spec
     known = {"task": set(spec.tasks), "method": set(spec.methods), "partition": set(spec.partitions),
              "seed": {str(s) for s in spec.seeds}}
