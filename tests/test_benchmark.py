@@ -139,6 +139,30 @@ def test_missing_cells_say_what_is_left_in_a_line_per_task(tmp_path: Path) -> No
     assert missing_cells(sweep, []) == []
 
 
+def test_partition_figure_reads_the_summary_in_the_files_partition_order(tmp_path: Path) -> None:
+    """The label-skew view: per task and method the final metric and its interval, iid first as the file
+    lists it; a task with every method in one partition gets no panel, a sweep with none no figure."""
+    from fedpeft.metrics.results import _partition_figure, by_partition
+
+    spec = _benchmark(tmp_path)
+    spec["tasks"]["other"] = {}
+    spec["partitions"]["skew"] = {"partition": {"kind": "dirichlet", "alpha": 0.5, "num_clients": 4}}
+    sweep = expand(spec)
+
+    def row(task: str, partition: str, method: str, final: float) -> dict:
+        return {"task": task, "partition": partition, "method": method, "final_metric": final,
+                "final_metric_ci": [final - 0.25, final + 0.125]}  # exact in binary
+
+    summary = [row("toy", "skew", "lora", 0.5), row("toy", "iid", "lora", 0.75), row("toy", "iid", "bitfit", 0.625),
+               row("other", "iid", "lora", 0.875)]
+    assert by_partition(sweep, summary) == {"toy": {"lora": [("iid", 0.75, 0.5, 0.875), ("skew", 0.5, 0.25, 0.625)],
+                                                    "bitfit": [("iid", 0.625, 0.375, 0.75)]}}
+    path = _partition_figure(sweep, tmp_path / "toy_partitions.png", summary, {"toy": 0.9}, "fedpeft sweep toy.yaml")
+    assert path is not None and path.stat().st_size > 0
+    assert _partition_figure(sweep, tmp_path / "none.png", summary[1:], {}, "c") is None
+    assert not (tmp_path / "none.png").exists()
+
+
 @pytest.mark.slow
 def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     from fedpeft.cli import main

@@ -366,8 +366,9 @@ def _legend(ax: Any, entries: int) -> None:
 
 def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, Any]],
              ceilings: Sequence[dict[str, Any]], command: str) -> list[Path]:
-    """Per cell: the metric per round (mean and 95% band per method, the ceiling as a dashed line); and
-    the final metric (with its interval) against uplink bytes per client and round."""
+    """Per cell: the metric per round (mean and 95% band per method, the ceiling as a dashed line); the
+    final metric (with its interval) against uplink bytes per client and round; and, where a method ran
+    under several partitions, the final metric against the partitions (:func:`_partition_figure`)."""
     by_cell: dict[tuple[str, str], dict[str, list[Run]]] = {}
     for run in sweep.runs:
         if run.ceiling or not (run.run_dir / "summary.json").exists():
@@ -423,4 +424,49 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
     tradeoff = folder / f"{name}_tradeoff.png"
     fig.savefig(tradeoff, dpi=110)
     plt.close(fig)
-    return [curves, tradeoff]
+    heterogeneity = _partition_figure(sweep, folder / f"{name}_partitions.png", summary, ceiling, command)
+    return [curves, tradeoff] + ([heterogeneity] if heterogeneity else [])
+
+
+def by_partition(sweep: Sweep, summary: Sequence[dict[str, Any]]
+                 ) -> dict[str, dict[str, list[tuple[str, float, float, float]]]]:
+    """Per task and method, (partition, final mean, 95% low, high) in the sweep file's partition order;
+    only tasks where some method ran in two partitions or more (a curve over label skew)."""
+    order = {name: index for index, name in enumerate(sweep.spec.partitions)}
+    out: dict[str, dict[str, list[tuple[str, float, float, float]]]] = {}
+    for row in sorted(summary, key=lambda r: order.get(r["partition"], len(order))):
+        if row["partition"] not in order:
+            continue
+        low, high = row.get("final_metric_ci") or [row["final_metric"]] * 2
+        point = (row["partition"], row["final_metric"], low, high)
+        out.setdefault(row["task"], {}).setdefault(row["method"], []).append(point)
+    return {task: methods for task, methods in out.items() if max(len(p) for p in methods.values()) >= 2}
+
+
+def _partition_figure(sweep: Sweep, path: Path, summary: Sequence[dict[str, Any]], ceiling: Mapping[str, float],
+                      command: str) -> Path | None:
+    """The final metric (mean and 95% interval) against the partitions, in the file's order (iid to
+    the strongest skew, FeDeRA's Fig. 5 view), one panel per task; None where no method ran in two."""
+    tasks = by_partition(sweep, summary)
+    if not tasks:
+        return None
+    names = list(sweep.spec.partitions)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False)
+    for ax, (task, methods) in zip(axes[0], tasks.items()):
+        for index, (method, points) in enumerate(methods.items()):
+            xs = [names.index(p[0]) + 0.04 * (index - (len(methods) - 1) / 2) for p in points]  # side by side
+            means = [p[1] for p in points]
+            ax.errorbar(xs, means, yerr=[[m - p[2] for m, p in zip(means, points)],
+                                         [p[3] - m for m, p in zip(means, points)]],
+                        capsize=3, marker="o", ms=4, label=method,
+                        color=_style(index)["color"] if len(methods) > CROWDED else None)
+        if ceiling.get(task) is not None:
+            ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
+        ax.set_xticks(range(len(names)), names)
+        ax.set(title=task, xlabel="partition", ylabel="final metric")
+        ax.grid(alpha=0.3)
+        _legend(ax, len(methods) + 1)
+    _footer(fig, command)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
