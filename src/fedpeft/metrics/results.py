@@ -451,7 +451,7 @@ def _partition_figure(sweep: Sweep, path: Path, summary: Sequence[dict[str, Any]
     if not tasks:
         return None
     names = list(sweep.spec.partitions)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(5.2 * len(tasks), 7.5), 3.8), squeeze=False)  # footer fits
     for ax, (task, methods) in zip(axes[0], tasks.items()):
         for index, (method, points) in enumerate(methods.items()):
             xs = [names.index(p[0]) + 0.04 * (index - (len(methods) - 1) / 2) for p in points]  # side by side
