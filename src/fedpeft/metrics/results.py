@@ -434,9 +434,7 @@ def by_partition(sweep: Sweep, summary: Sequence[dict[str, Any]]
     only tasks where some method ran in two partitions or more (a curve over label skew)."""
     order = {name: index for index, name in enumerate(sweep.spec.partitions)}
     out: dict[str, dict[str, list[tuple[str, float, float, float]]]] = {}
-    for row in sorted(summary, key=lambda r: order.get(r["partition"], len(order))):
-        if row["partition"] not in order:
-            continue
+    for row in sorted((r for r in summary if r["partition"] in order), key=lambda r: order[r["partition"]]):
         low, high = row.get("final_metric_ci") or [row["final_metric"]] * 2
         point = (row["partition"], row["final_metric"], low, high)
         out.setdefault(row["task"], {}).setdefault(row["method"], []).append(point)
