@@ -26,7 +26,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 ORDER = ("defaults", "defaults_tuned", "no_pooler", "no_pooler_tuned", "no_pooler_tuned_baselines", "federa",
-         "federa_20ng", "federa_ner_qa", "flasc", "fedtt", "headprune", "fedpeptao")
+         "federa_participation", "federa_ner_qa", "flasc", "fedtt", "headprune", "fedpeptao")
 
 
 def benchmarks() -> list[dict[str, Any]]:
