@@ -24,7 +24,8 @@ ROWS = {
     ("iid", "lora"): {"method": "lora", "final_metric": 0.85, "final_metric_ci": [0.83, 0.87],
                       "uplink_bytes_per_client_round": 300_000.0, "seconds_to_target": 100.0},
     ("iid", "tt"): {"method": "tt", "final_metric": 0.845, "final_metric_ci": [0.835, 0.855],
-                    "uplink_bytes_per_client_round": 50_000.0, "seconds_to_target": None},
+                    "uplink_bytes_per_client_round": 50_000.0, "last_uplink_bytes_per_client": 20_000.0,
+                    "seconds_to_target": None},
     ("iid", "weak"): {"method": "weak", "final_metric": 0.70, "final_metric_ci": [0.69, 0.71],
                       "uplink_bytes_per_client_round": 1_000.0},
     ("skew", "lora"): {"method": "lora", "final_metric": 0.75, "final_metric_ci": [0.74, 0.76]},
@@ -43,6 +44,7 @@ def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Interval:
 @pytest.mark.parametrize("check,verdict", [
     ("tt.uplink <= 0.2 * lora.uplink", CONFIRMED),                        # 50k <= 60k exactly
     ("tt.uplink <= 0.1 * lora.uplink", REFUTED),                          # 50k > 30k exactly
+    ("tt.last_uplink <= 0.1 * lora.uplink", CONFIRMED),                   # the last round's 20k <= 30k
     ("tt.final >= lora.final - 0.01", WITHIN_NOISE),                      # [-0.025, +0.035] straddles 0
     ("weak.final >= lora.final - 0.01", REFUTED),                         # even optimistically 0.71 < 0.82
     ("lora.final > weak.final", CONFIRMED),                               # 0.83 > 0.71 at the pessimistic end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -50,6 +51,12 @@ def test_run_row_fields_and_targets(two_runs: list[Path]) -> None:
     records = run.records
     assert row["total_bytes"] == records[-1]["cum_bytes_up"] + records[-1]["cum_bytes_down"]
     assert row["uplink_bytes_per_client_round"] == records[1]["bytes_up"][0]
+    assert row["last_uplink_bytes_per_client"] == records[-1]["bytes_up"][0]
+    # a message that shrinks mid-run (FedPepTAO after layer selection): the last round's, not the mean
+    shrunk = [*records[:-1], {**records[-1], "bytes_up": [b // 2 for b in records[-1]["bytes_up"]]}]
+    row = run_row(dataclasses.replace(run, records=shrunk), target=None)
+    assert row["last_uplink_bytes_per_client"] == records[-1]["bytes_up"][0] // 2
+    assert row["uplink_bytes_per_client_round"] > row["last_uplink_bytes_per_client"]
 
 
 def test_bandwidth_time_is_slowest_client() -> None:

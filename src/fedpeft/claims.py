@@ -5,7 +5,8 @@ A claim's ``check`` is an expression over the methods of one task/partition cell
 ``METHOD.QUANTITY`` (``METHOD`` a method name of the benchmark), or ``METHOD["PARTITION"].QUANTITY``
 / ``METHOD["TASK", "PARTITION"].QUANTITY`` to reach another cell (``federa["iid"].final -
 federa["dirichlet0.1"].final``). Quantities: ``final``, ``best`` (the metric), ``uplink``,
-``downlink`` (bytes per client and round), ``total_bytes``, ``params``, ``flops`` (client FLOPs per
+``downlink`` (bytes per client and round, mean over rounds), ``last_uplink`` (a client's upload in
+the last round), ``total_bytes``, ``params``, ``flops`` (client FLOPs per
 step), ``round_flops`` (per client round, where the method counts one: head pruning's importance pass),
 ``rounds_to_target``, ``bytes_to_target``, ``time_to_target`` (simulated seconds), ``wall``,
 or any other numeric field of a result row.
@@ -44,7 +45,8 @@ CEILING_FRACTION = 0.9
 
 QUANTITIES = {
     "final": "final_metric", "best": "best_metric", "uplink": "uplink_bytes_per_client_round",
-    "downlink": "downlink_bytes_per_client_round", "params": "trainable_params", "flops": "client_flops_per_step",
+    "downlink": "downlink_bytes_per_client_round", "last_uplink": "last_uplink_bytes_per_client",
+    "params": "trainable_params", "flops": "client_flops_per_step",
     "round_flops": "client_flops_per_round",
     "time_to_target": "seconds_to_target", "wall": "wall_seconds",
 }

@@ -151,6 +151,9 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
         "trainable_params": last.get("trainable_params"),
         "uplink_bytes_per_client_round": _mean([b for r in trained for b in r["bytes_up"]]),
         "downlink_bytes_per_client_round": _mean([b for r in trained for b in r["bytes_down"]]),
+        # the last round's message: what a method that shrinks it mid-run (FedPepTAO's layer selection)
+        # sends from then on, which the mean over rounds dilutes in a short run
+        "last_uplink_bytes_per_client": _mean(trained[-1]["bytes_up"]) if trained else None,
         "total_bytes": last.get("cum_bytes_up", 0) + last.get("cum_bytes_down", 0),
         "target": target,
         "target_below_start": below_start,
@@ -187,7 +190,8 @@ def default_target(runs: Sequence[Run], fraction: float = 0.95) -> float | None:
 
 
 SEED_KEYS = ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target", "seconds_to_target",
-             "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "total_bytes", "wall_seconds")
+             "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "last_uplink_bytes_per_client",
+             "total_bytes", "wall_seconds")
 
 
 def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
