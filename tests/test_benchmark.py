@@ -324,3 +324,24 @@ def test_runs_start_when_their_own_tune_is_done_not_every_tune() -> None:
     release_a.set()
     worker.join(timeout=30)
     assert events[4:] == ["tune A", "run a0"]
+
+
+def test_figure_footer_wraps_a_long_command_inside_the_figure() -> None:
+    """A sweep command with several --only is longer than a one-panel figure is wide: the footer wraps
+    and every line stays inside the figure (it was cut off at the right edge)."""
+    import matplotlib.pyplot as plt
+
+    from fedpeft.metrics.results import _footer
+
+    command = "fedpeft sweep benchmarks/fedpeptao.yaml --workers 2 " + " ".join(
+        f"--only method=method_{i},other_{i}" for i in range(6))
+    fig, ax = plt.subplots(figsize=(5.2, 3.8))
+    ax.plot([0, 1], [0, 1])
+    _footer(fig, command)
+    text = fig.texts[-1]
+    assert text.get_text().count("\n") >= 2 and text.get_text().replace("\n", " ").startswith(command)
+    fig.canvas.draw()
+    box = text.get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0
+    assert ax.get_window_extent().y0 > box.y1  # the axes sit above the footer
+    plt.close(fig)
