@@ -332,6 +332,7 @@ def _fmt_number(value: float) -> str:
     return f"{value:.4g}" if abs(value) < 1e4 else human_bytes(value) if value < 1e12 else f"{value:.3g}"
 
 
+FOOTER_POINTS = 7
 FOOTER_CHARS_PER_INCH = 17
 """Characters of 7-point DejaVu Sans a footer line holds per inch of figure width (about 4 points each)."""
 
@@ -340,9 +341,9 @@ def _footer(fig: Any, command: str, note: str = "bands and bars: 95% intervals")
     """Every figure says which command made it and what its bands and bars are, wrapped to the
     figure's width (a sweep run with several ``--only`` is longer than one line of a narrow figure)."""
     lines = textwrap.wrap(f"{command}   ({note})", width=int(fig.get_figwidth() * FOOTER_CHARS_PER_INCH))
-    line_height = 7 * 1.3 / 72 / fig.get_figheight()  # 7-point text, as a fraction of the figure's height
+    line_height = FOOTER_POINTS * 1.3 / 72 / fig.get_figheight()  # as a fraction of the figure's height
     fig.tight_layout(rect=(0, 0.02 + line_height * len(lines), 1, 1))
-    fig.text(0.01, 0.01, "\n".join(lines), fontsize=7, color="#555", va="bottom")
+    fig.text(0.01, 0.01, "\n".join(lines), fontsize=FOOTER_POINTS, color="#555", va="bottom")
 
 
 CROWDED = 8
