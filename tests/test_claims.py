@@ -55,9 +55,22 @@ def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Interval:
     ('tt["iid"].final - tt["skew"].final < lora["iid"].final - lora["skew"].final', CONFIRMED),
     ("tt.time_to_target <= lora.time_to_target", NOT_REACHED),            # tt never reached the target
     ("ghost.final >= lora.final", NOT_REACHED),
+    # a part without a value: one refuted part still settles an `and`, one confirmed part an `or`
+    ("tt.time_to_target <= lora.time_to_target and weak.final >= lora.final", REFUTED),
+    ("tt.time_to_target <= lora.time_to_target and tt.uplink <= 0.2 * lora.uplink", NOT_REACHED),
+    ("tt.time_to_target <= lora.time_to_target or lora.final > weak.final", CONFIRMED),
+    ("tt.time_to_target <= lora.time_to_target or weak.final >= lora.final", NOT_REACHED),
 ])
 def test_verdicts_on_hand_made_results(check: str, verdict: str) -> None:
     assert judge(check, lookup).verdict == verdict
+
+
+def test_a_missing_part_is_named_whatever_settles_the_claim() -> None:
+    alone = judge("tt.time_to_target <= lora.time_to_target", lookup)
+    assert alone.why == "tt has no time_to_target (target never reached)"
+    settled = judge("tt.time_to_target <= lora.time_to_target and weak.final >= lora.final", lookup)
+    assert settled.why == "settled by the other parts, though tt has no time_to_target (target never reached)"
+    assert settled.values == {"weak.final": 0.70, "lora.final": 0.85}
 
 
 def test_values_are_reported_and_gate_needs_the_ceiling() -> None:
@@ -101,6 +114,10 @@ def test_same_seed_gaps_separate_what_seed_intervals_cannot() -> None:
     assert judge_paired("a.final > b.final and c.final > b.final", lookups).verdict == WITHIN_NOISE
     assert judge_paired("a.final >= b.final + 0.2", lookups).verdict == REFUTED  # 0.2 beyond every gap
     assert judge_paired("ghost.final > a.final", lookups).verdict == NOT_REACHED
+    refuted = judge_paired("ghost.final > a.final and b.final > a.final", lookups)
+    assert refuted is not None and refuted.verdict == REFUTED  # b trails a on every seed: no need of ghost
+    assert "settled by the other parts, though no ghost" in refuted.why and "-0.1 [" in refuted.why
+    assert judge_paired("ghost.final > a.final and a.final > b.final", lookups).verdict == NOT_REACHED
     assert judge_paired("a.final > b.final", lookups[:1]) is None  # one seed: no interval of gaps
 
 

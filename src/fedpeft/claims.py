@@ -16,10 +16,12 @@ Every quantity is an interval (the 95% interval over seeds for the metric, see
 expression is evaluated with interval arithmetic; a comparison ``L >= R`` is **confirmed** when
 it holds at the pessimistic end (lower(L - R) >= 0), **refuted** when it fails even at the
 optimistic end (upper(L - R) < 0), else **within noise**; ``and`` is confirmed when every part is,
-refuted when any part is. A claim is **not reached** when its ``baseline`` ends below 90% of its
-centralised ceiling in the cell judged or in any other cell the check reads (no conclusion at a
-budget where the baseline has not learned: two methods both at the majority class "lose the same"),
-or when a quantity is missing (e.g. a target never reached).
+refuted when any part is. A comparison that reads a missing quantity (e.g. a target never reached)
+is **not reached**, and so is an ``and`` holding one, unless another of its parts is refuted (one
+false part settles it); an ``or`` is confirmed by any confirmed part. A claim is also **not
+reached** when its ``baseline`` ends below 90% of its centralised ceiling in the cell judged or in
+any other cell the check reads (no conclusion at a budget where the baseline has not learned: two
+methods both at the majority class "lose the same").
 
 :func:`judge_paired` judges the same check seed by seed: runs with one seed share their
 partition and the clients drawn each round, so each comparison's gap is taken within a seed and
@@ -166,15 +168,19 @@ def _gaps(node: ast.Compare, check: str, lookup: Lookup, values: dict[str, float
     return out
 
 
-def _verdict(node: ast.AST, check: str, gaps: Callable[[ast.Compare], list[Interval]]) -> str:
+def _verdict(node: ast.AST, check: str, gaps: Callable[[ast.Compare], list[Interval]], missing: list[str]) -> str:
+    """``missing`` collects why a comparison had no value (:class:`Missing` from ``gaps``)."""
     if isinstance(node, ast.BoolOp):
-        parts = [_verdict(v, check, gaps) for v in node.values]
-        if isinstance(node.op, ast.And):
-            return _all_of(parts)
-        return CONFIRMED if CONFIRMED in parts else REFUTED if all(p == REFUTED for p in parts) else WITHIN_NOISE
+        parts = [_verdict(v, check, gaps, missing) for v in node.values]
+        return _all_of(parts) if isinstance(node.op, ast.And) else _any_of(parts)
     if isinstance(node, ast.Compare):
+        try:
+            node_gaps = gaps(node)
+        except Missing as err:
+            missing.append(str(err))
+            return NOT_REACHED
         out = []
-        for op, gap in zip(node.ops, gaps(node)):
+        for op, gap in zip(node.ops, node_gaps):
             strict = isinstance(op, ast.Gt | ast.Lt)
             holds_low = gap.low > 0 if strict else gap.low >= 0
             fails_high = gap.high <= 0 if strict else gap.high < 0
@@ -187,13 +193,19 @@ def judge(check: str, lookup: Lookup) -> Judgement:
     """Evaluate ``check`` with intervals; ``lookup`` raises :class:`Missing` for absent values."""
     tree = _parse(check)
     values: dict[str, float] = {}
+    missing: list[str] = []
     try:
-        result = _verdict(tree.body, check, lambda node: _gaps(node, check, lookup, values))
-    except Missing as err:
-        return Judgement(NOT_REACHED, values, str(err))
+        result = _verdict(tree.body, check, lambda node: _gaps(node, check, lookup, values), missing)
     except ZeroDivisionError as err:
         return Judgement(WITHIN_NOISE, values, str(err))
-    return Judgement(result, values)
+    return Judgement(result, values, _missing_why(result, missing))
+
+
+def _missing_why(result: str, missing: list[str]) -> str:
+    if not missing:
+        return ""
+    said = "; ".join(missing)
+    return said if result == NOT_REACHED else f"settled by the other parts, though {said}"
 
 
 def judge_paired(check: str, lookups: Sequence[Lookup]) -> Judgement | None:
@@ -208,24 +220,38 @@ def judge_paired(check: str, lookups: Sequence[Lookup]) -> Judgement | None:
     tree = _parse(check)
     compares = [node for node in ast.walk(tree.body) if isinstance(node, ast.Compare)]
     values: dict[str, list[float]] = {}
-    per_seed: dict[ast.Compare, list[list[float]]] = {node: [[] for _ in node.ops] for node in compares}
-    try:
-        for lookup in lookups:
-            seed_values: dict[str, float] = {}
-            for node in compares:
-                for gaps, gap in zip(per_seed[node], _gaps(node, check, lookup, seed_values)):
+    intervals: dict[ast.Compare, list[Interval]] = {}
+    absent: dict[ast.Compare, Missing] = {}
+    for node in compares:
+        per_op: list[list[float]] = [[] for _ in node.ops]
+        seed_values: dict[str, list[float]] = {}
+        try:
+            for lookup in lookups:
+                read: dict[str, float] = {}
+                for gaps, gap in zip(per_op, _gaps(node, check, lookup, read)):
                     gaps.append(gap.mid)
-            for key, value in seed_values.items():
-                values.setdefault(key, []).append(value)
-    except Missing as err:
-        return Judgement(NOT_REACHED, {}, str(err))
-    except ZeroDivisionError as err:
-        return Judgement(WITHIN_NOISE, {}, str(err))
-    intervals = {node: [_t_interval(gaps) for gaps in per_op] for node, per_op in per_seed.items()}
-    result = _verdict(tree.body, check, intervals.__getitem__)
-    described = [f"{g.mid:+.4g} [{g.low:+.4g}, {g.high:+.4g}]" for node in compares for g in intervals[node]]
-    return Judgement(result, {key: statistics.fmean(v) for key, v in values.items()},
-                     f"same-seed gap {', '.join(described)} over {len(lookups)} seeds")
+                for key, value in read.items():
+                    seed_values.setdefault(key, []).append(value)
+        except Missing as err:
+            absent[node] = err
+            continue
+        except ZeroDivisionError as err:
+            return Judgement(WITHIN_NOISE, {}, str(err))
+        intervals[node] = [_t_interval(gaps) for gaps in per_op]
+        values.update(seed_values)
+
+    def gaps_of(node: ast.Compare) -> list[Interval]:
+        if node in absent:
+            raise absent[node]
+        return intervals[node]
+
+    missing: list[str] = []
+    result = _verdict(tree.body, check, gaps_of, missing)
+    described = [f"{g.mid:+.4g} [{g.low:+.4g}, {g.high:+.4g}]" for node in compares for g in intervals.get(node, [])]
+    why = [f"same-seed gap {', '.join(described)} over {len(lookups)} seeds"] if described else []
+    if said := _missing_why(result, missing):
+        why.append(said)
+    return Judgement(result, {key: statistics.fmean(v) for key, v in values.items()}, "; ".join(why))
 
 
 def _t_interval(values: list[float]) -> Interval:
@@ -234,8 +260,23 @@ def _t_interval(values: list[float]) -> Interval:
 
 
 def _all_of(parts: list[str]) -> str:
-    """Verdict of parts that must all hold: refuted if any is, confirmed if all are."""
-    return REFUTED if REFUTED in parts else CONFIRMED if all(p == CONFIRMED for p in parts) else WITHIN_NOISE
+    """Verdict of parts that must all hold: refuted if any is, else not reached if a part has no value,
+    confirmed if all are."""
+    if REFUTED in parts:
+        return REFUTED
+    if NOT_REACHED in parts:
+        return NOT_REACHED
+    return CONFIRMED if all(p == CONFIRMED for p in parts) else WITHIN_NOISE
+
+
+def _any_of(parts: list[str]) -> str:
+    """Verdict of parts of which one must hold: confirmed if any is, else not reached if a part has no
+    value, refuted if all are."""
+    if CONFIRMED in parts:
+        return CONFIRMED
+    if NOT_REACHED in parts:
+        return NOT_REACHED
+    return REFUTED if all(p == REFUTED for p in parts) else WITHIN_NOISE
 
 
 def gate(judgement: Judgement, baseline: str | None, baseline_final: float | None,
