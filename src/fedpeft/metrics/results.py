@@ -283,7 +283,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         lines.append("")
     if data["tuning"]:
         lines += ["## Tuning", "", "| tune | chosen | validation metric | trials (complete / pruned / failed) | "
-                  "CPU time |", "|---|---|---|---|---|"]
+                  "wall time |", "|---|---|---|---|---|"]
         for key, t in data["tuning"].items():
             chosen = ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
                                for k, v in t["best_params"].items())
