@@ -10,7 +10,9 @@ Then the fp32 MiniLM workload on Flower's Simulation Engine (Ray; one virtual Su
 the GPU shared by the ClientApp workers through ``client-resources-num-gpus``) when ``flwr[simulation]``
 is installed, else recorded as skipped with the reason.
 
-A GPU owner runs ``python benchmarks/device.py --device cuda --rounds 5 --clients 8 --examples 64``.
+A GPU owner runs ``python benchmarks/device.py --device cuda --rounds 5 --clients 8 --examples 64
+--precisions fp32,bf16,bf16+cudnn`` (``bf16+cudnn``: bf16 with ``engine.cudnn_attention``, PyTorch's own
+attention-kernel choice, against fedpeft's default that keeps half-precision attention off cuDNN).
 ``--profile N`` adds, for MiniLM at each precision, one more run under ``torch.profiler`` (kept apart
 from the timed runs, whose numbers it would distort) and records its N operators with the most self
 time, on the CPU side and, on a GPU, the device side: where a precision's time goes (cast kernels,
@@ -62,6 +64,15 @@ def model_aliases() -> dict[str, str | None]:
     return reasons
 
 
+def precision_settings(precision: str) -> dict[str, Any]:
+    """``bf16``, ``fp32``, ...: ``engine.precision``; ``+cudnn`` (``bf16+cudnn``) also sets
+    ``engine.cudnn_attention``, PyTorch's own attention-kernel choice, to measure against the default."""
+    base, _, variant = precision.partition("+")
+    if variant not in ("", "cudnn"):
+        raise SystemExit(f"--precisions: unknown variant {variant!r} in {precision!r} (allowed: +cudnn)")
+    return {"precision": base, "cudnn_attention": variant == "cudnn"}
+
+
 def workload(args: argparse.Namespace, model: str, precision: str, kind: str = "local") -> dict[str, Any]:
     """LoRA r=8 (q/v) FedAvg on SST-2, every client every round, ``--steps`` local steps of ``--batch``."""
     return {
@@ -74,7 +85,7 @@ def workload(args: argparse.Namespace, model: str, precision: str, kind: str = "
         "client": {"optimizer": "adamw", "lr": 0.001, "batch_size": args.batch, "local_steps": args.steps},
         "strategy": {"name": "fedavg", "selection": "all"},
         "evaluation": {"every": args.rounds},
-        "engine": {"kind": kind, "threads": args.threads, "device": args.device, "precision": precision},
+        "engine": {"kind": kind, "threads": args.threads, "device": args.device, **precision_settings(precision)},
         "output": {"progress": False},
     }
 
@@ -217,7 +228,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="engine.device: auto, cpu, cuda, cuda:N, mps")
-    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated engine.precision values")
+    parser.add_argument("--precisions", default="fp32,bf16",
+                        help="comma-separated engine.precision values; bf16+cudnn: bf16 with engine.cudnn_attention")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=4, help="clients, all trained every round")
     parser.add_argument("--examples", type=int, default=16, help="training examples per client")
@@ -232,6 +244,8 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     precisions = args.precisions.split(",")
+    for precision in precisions:  # a typo stops here, before any run
+        precision_settings(precision)
     with TemporaryDirectory(prefix="fedpeft-device-") as tmp:
         work = Path(tmp)
         runs = {model: ({p: run_one(work, args, model, p) for p in precisions} if reason is None

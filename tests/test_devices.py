@@ -4,6 +4,7 @@ whole path on the CPU in bf16 autocast, and the same checks on CUDA/MPS when pre
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import fedpeft.federated.client as client_module
-from fedpeft.config import ConfigError, build_config
+from fedpeft.config import ConfigError, EngineConfig, build_config
 from fedpeft.devices import Placement, resolve_device
 from fedpeft.engines.flower import prepared
 from fedpeft.engines.local import LocalEngine, run_client
@@ -317,6 +318,28 @@ def test_a_flower_node_config_names_the_nodes_own_device(toy_files: tuple[Path, 
         prepared.cache_clear()
 
 
+def test_half_precision_on_cuda_keeps_attention_off_cudnn_unless_asked() -> None:
+    """In bf16 on CUDA the autocast context turns cuDNN's fused attention off for its duration only;
+    ``engine.cudnn_attention`` leaves the choice to PyTorch; the CPU and fp32 are never touched. (The
+    flags are global switches that a CPU-only torch has too; its CUDA autocast only warns and disables.)"""
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled
+    assert cudnn()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Placement(torch.device("cuda"), "bf16").autocast():
+            assert not cudnn()
+            assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+            assert torch.backends.cuda.math_sdp_enabled()
+        assert cudnn()
+        with Placement(torch.device("cuda"), "fp16", cudnn_attention=True).autocast():
+            assert cudnn()
+    for placement in (Placement(torch.device("cpu"), "bf16"), Placement(torch.device("cuda"), "fp32")):
+        with placement.autocast():
+            assert cudnn()
+    assert Placement.from_config(EngineConfig(device="cpu", cudnn_attention=True)).cudnn_attention
+    assert not Placement.from_config(EngineConfig(device="cpu")).cudnn_attention
+
+
 # ----- the real GPU paths (skipped with a message on machines without them) ---------------------------------
 @pytest.mark.parametrize("device", [CUDA, MPS])
 def test_bf16_lora_rounds_on_the_accelerator(toy_files: tuple[Path, Path], tmp_path: Path, device: str) -> None:
@@ -327,6 +350,19 @@ def test_bf16_lora_rounds_on_the_accelerator(toy_files: tuple[Path, Path], tmp_p
     records = engine.run()
     assert all(r["train_loss"] == r["train_loss"] for r in records)
     assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in engine.final_state.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: torch.cuda.is_available() is False")
+def test_bf16_attention_on_cuda_runs_without_cudnn(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """The bf16 rounds' attention runs, and not on cuDNN's fused kernel (Placement.autocast says why)."""
+    raw = small_raw(toy_files, tmp_path / "run", engine={"device": "cuda", "precision": "bf16"})
+    engine = LocalEngine(prepare(build_config(raw)), tmp_path / "run", Console(quiet=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        engine.run()
+    ops = {event.key for event in profile.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops
+    assert not [op for op in ops if "cudnn_attention" in op]
 
 
 @pytest.mark.cuda

@@ -288,6 +288,8 @@ class EngineConfig(_Strict):
     ClientApp over a SuperLink and SuperNodes (``fedpeft deploy``); ``round_timeout`` bounds the
     wait for a round's replies in seconds (null: until every node replies or the SuperLink
     declares it offline), ``connect_timeout`` the wait for every partition's SuperNode at start.
+    ``cudnn_attention`` lets PyTorch pick cuDNN's fused attention for bf16/fp16 on CUDA (see
+    :meth:`fedpeft.devices.Placement.autocast` for why it is off by default).
     """
 
     kind: Literal["local", "torchrun", "flower"] = "local"
@@ -300,6 +302,7 @@ class EngineConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     gradient_checkpointing: bool = False
     deterministic: bool = False
+    cudnn_attention: bool = False
 
     @field_validator("device")
     @classmethod

@@ -19,8 +19,8 @@ import functools
 import importlib.util
 import os
 import platform
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,16 +145,28 @@ class Placement:
 
     device: torch.device = CPU
     precision: str = "fp32"
+    cudnn_attention: bool = False
 
     @classmethod
     def from_config(cls, engine: EngineConfig) -> Placement:
-        return cls(resolve_device(engine.device), engine.precision)
+        return cls(resolve_device(engine.device), engine.precision, engine.cudnn_attention)
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """Autocast to the precision on this device (a no-op in fp32)."""
+        """Autocast to the precision on this device (a no-op in fp32).
+
+        On CUDA in bf16/fp16, scaled-dot-product attention is also kept to the flash, memory-efficient
+        and math kernels unless ``engine.cudnn_attention``: PyTorch otherwise picks cuDNN's fused
+        attention, which on an H200 (torch 2.11) spent about 3.3 ms of CPU on every call (batches of 8
+        at up to 64 tokens), 57% of a bf16 MiniLM run's CPU time, so bf16 ran 2.8x slower than fp32
+        (``benchmarks/results/device_cuda_profile.md``); kept off it, bf16 rounds took 0.56 s against
+        1.48 s (``device_cuda.md``). cuDNN never serves fp32, and the CPU has no such kernel, so
+        neither is touched."""
         if self.precision == "fp32":
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+        cast = torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+        if self.device.type != "cuda" or self.cudnn_attention:
+            return cast
+        return _without_cudnn_attention(cast)
 
     def describe(self) -> str:
         """Where and how this process computes, for a run's summary: ``cuda:0 (NVIDIA H200), fp32,
@@ -164,6 +176,14 @@ class Placement:
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
         return torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+
+
+@contextmanager
+def _without_cudnn_attention(cast: AbstractContextManager[Any]) -> Iterator[None]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with cast, sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 def place_model(model: nn.Module, trainable: list[str], cfg: ExperimentConfig, placement: Placement) -> None:
