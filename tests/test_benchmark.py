@@ -117,6 +117,47 @@ def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: 
     assert not (tmp_path / "runs").exists()
 
 
+def test_device_places_every_tune_and_run_started_and_a_wrong_one_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fedpeft sweep FILE --device D`` writes ``engine.device: D`` into every tune and run config it starts,
+    the file untouched (a committed benchmark on a GPU), and refuses a device this machine cannot use before
+    anything runs, naming the flag."""
+    import torch
+
+    import fedpeft.sweep as sweep_module
+    from fedpeft.cli import main
+    from fedpeft.sweep import run_sweep
+
+    spec = _benchmark(tmp_path)
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    started: list[list[str]] = []
+
+    def fake_fedpeft(args: list[str], log: Path) -> int:  # record instead of running; a tune "chooses" nothing
+        if args[0] == "tune":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "tune.json").write_text(json.dumps({"best_params": {}, "best_value": 0.5, "metric": "accuracy",
+                                                       "trials": 2, "complete": 2, "pruned": 0, "failed": 0,
+                                                       "seconds": 1.0}))
+        started.append(args)
+        return 0
+
+    monkeypatch.setattr(sweep_module, "_fedpeft", fake_fedpeft)
+    run_sweep(path, device="cpu")
+    configs = [Path(args[1]) for args in started]
+    assert len(configs) == 2 + 5  # two tunes, four runs and the ceiling
+    assert {yaml.safe_load(config.read_text())["engine"]["device"] for config in configs} == {"cpu"}
+    assert "device" not in spec["base"]["engine"] and yaml.safe_load(path.read_text()) == spec
+    assert main(["sweep", str(path), "--device", "cpu"]) == 0  # the results say how their runs were started
+    assert json.loads((tmp_path / "results" / "toy.json").read_text())["command"].endswith("--device cpu")
+    started.clear()
+    assert main(["sweep", str(path), "--device", "gpu"]) == 2
+    if not torch.cuda.is_available():
+        assert main(["sweep", str(path), "--device", "cuda"]) == 2
+    assert not started
+
+
 def test_missing_cells_say_what_is_left_in_a_line_per_task(tmp_path: Path) -> None:
     """A benchmark run one part at a time lists what is left by task, partitions with the same gap merged."""
     from fedpeft.metrics.results import missing_cells

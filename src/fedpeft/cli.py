@@ -157,21 +157,36 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_device(device: str) -> None:
+    """``--device`` refused before anything runs, as ``engine.device`` would refuse it in every run."""
+    from pydantic import ValidationError
+
+    from fedpeft.config import EngineConfig
+
+    try:
+        EngineConfig(device=device)
+    except ValidationError as err:
+        raise ConfigError("--device", err.errors()[0]["msg"].removeprefix("Value error, ")) from err
+
+
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     from fedpeft.sweep import load_sweep, parse_only, restrict, run_sweep
 
     only = parse_only(args.only)
+    if args.device is not None:
+        _check_device(args.device)
     if args.report_only:
         sweep = load_sweep(Path(args.sweep))
         restrict(sweep, only)  # a misspelt --only fails here too
     else:
         sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print,
-                          only=only)
+                          only=only, device=args.device)
     if sweep.is_benchmark:
         from fedpeft.metrics.results import write_results
 
         command = " ".join(["fedpeft sweep", args.sweep, *(["--workers", str(args.workers)] if args.workers > 1
-                                                           else []), *(f"--only {item}" for item in args.only)])
+                                                           else []), *(f"--only {item}" for item in args.only),
+                            *(["--device", args.device] if args.device else [])])
         for path in write_results(sweep, command).values():
             console.print(f"wrote {path}")
         return 0
@@ -437,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("sweep", metavar="SWEEP.yaml")
     sweep.add_argument("--workers", type=int, default=1, help="tunes/runs at a time (subprocesses)")
     sweep.add_argument("--data-dir", help="folder of the benchmark data")
+    sweep.add_argument("--device", help="engine.device of every tune and run started (e.g. cuda): a benchmark on a GPU "
+                                        "without editing its file")
     sweep.add_argument("--report-only", action="store_true",
                        help="run nothing: write the results of the runs that finished (the rest listed as not run)")
     sweep.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",

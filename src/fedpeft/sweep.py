@@ -424,15 +424,21 @@ def _fedpeft(args: list[str], log: Path) -> int:
 
 
 def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
-              say: Callable[[str], None] = print, only: dict[str, set[str]] | None = None) -> Sweep:
+              say: Callable[[str], None] = print, only: dict[str, set[str]] | None = None,
+              device: str | None = None) -> Sweep:
     """Tune (once per method and task or cell) and run every seed and ceiling, each run once its own tune has
     finished (:func:`schedule`); skip what is done. ``only``: run just those cells (:func:`restrict`); the
-    sweep returned is the whole file, so its report covers every run finished so far."""
+    sweep returned is the whole file, so its report covers every run finished so far. ``device``: the
+    ``engine.device`` of every tune and run started now (a committed benchmark on a GPU without editing its
+    file; each run's summary records where it computed)."""
     whole = load_sweep(path)
     sweep = restrict(whole, only) if only else whole
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
     extra = ["--data-dir", data_dir] if data_dir else []
+
+    def placed(raw: dict[str, Any]) -> dict[str, Any]:
+        return raw if device is None else deep_merge(raw, {"engine": {"device": device}})
 
     def do_tune(key: str) -> None:
         if (sweep.tune_dir(key) / "tune.json").exists():
@@ -442,7 +448,7 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         job = sweep.tunes[key]
         config = configs / f"tune_{key}.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(yaml.safe_dump(job.raw, sort_keys=False))
+        config.write_text(yaml.safe_dump(placed(job.raw), sort_keys=False))
         args = ["tune", str(config), "--trials", str(tune.trials), "--out", str(sweep.tune_dir(key)), "--seed",
                 str(tune.seed), "--pruner", tune.pruner, "--validation-fraction", str(tune.validation_fraction),
                 "--include-defaults" if tune.include_defaults else "--no-include-defaults"]
@@ -462,7 +468,7 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         if finished(run.run_dir):
             return
         try:
-            raw = with_tuned(sweep, run)
+            raw = placed(with_tuned(sweep, run))
         except ConfigError as err:
             say(f"{run.name}: skipped ({err})")
             return
