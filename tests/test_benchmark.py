@@ -220,7 +220,7 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     for key in ("task", "partition", "method", "seed", "rounds", "clients", "clients_per_round", "metric",
                 "best_metric", "final_metric", "trainable_params", "uplink_bytes_per_client_round",
                 "downlink_bytes_per_client_round", "total_bytes", "rounds_to_target", "bytes_to_target",
-                "wall_seconds", "eval_examples"):
+                "wall_seconds", "eval_examples", "last_uplink_bytes_per_client", "seconds_to_target", "computed_on"):
         assert key in row
     assert row["eval_examples"] == 64 and row["method"] == "lora" and row["recipe"] == "lora"
     summary = {r["method"]: r for r in results["summary"]}
@@ -293,6 +293,24 @@ def test_fedtt_paper_benchmark_file_expands() -> None:
     assert all(build_config(run.raw).codec.up.pack for run in sweep.runs)
     assert {claim.id for claim in sweep.spec.claims} >= {"fedtt_vs_lora", "fedtt_plus_vs_lora",
                                                           "fedtt_plus_robust_vs_lora"}
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(RESULTS.glob("*.json")) if (data := json.loads(p.read_text()))
+                                  .get("claims") and "computed_on" in (data.get("rows") or [{}])[0]],
+                         ids=lambda p: p.name)
+def test_committed_verdicts_rejudge_from_the_results_file_alone(path: Path) -> None:
+    """A results file holds what its claims read (per-seed rows too), so today's rules give its verdicts
+    back from the file alone: the file and the code that judges claims cannot drift apart unseen."""
+    from fedpeft.metrics.results import judge_claims
+
+    data = json.loads(path.read_text())
+    sweep = load_sweep(path.parents[1] / f"{data['benchmark']}.yaml")
+    again = judge_claims(sweep, data["summary"], data["ceilings"], data["rows"])
+    assert [[(c["verdict"], (c["paired"] or {}).get("verdict")) for c in claim["cells"]] for claim in again] == [
+        [(c["verdict"], (c["paired"] or {}).get("verdict")) for c in claim["cells"]] for claim in data["claims"]]
 
 
 def test_readme_results_match_the_committed_results() -> None:
