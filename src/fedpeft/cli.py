@@ -161,12 +161,13 @@ def _check_device(device: str) -> None:
     """``--device`` refused before anything runs, as ``engine.device`` would refuse it in every run."""
     from pydantic import ValidationError
 
-    from fedpeft.config import EngineConfig
+    from fedpeft.config import EngineConfig, _format_validation_error
 
     try:
         EngineConfig(device=device)
     except ValidationError as err:
-        raise ConfigError("--device", err.errors()[0]["msg"].removeprefix("Value error, ")) from err
+        problem = _format_validation_error(err)  # the message `engine.device` gives, under the flag's name
+        raise ConfigError("--device", str(problem).removeprefix(f"{problem.field}: ")) from None
 
 
 def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
