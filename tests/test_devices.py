@@ -340,6 +340,36 @@ def test_half_precision_on_cuda_keeps_attention_off_cudnn_unless_asked() -> None
     assert not Placement.from_config(EngineConfig(device="cpu")).cudnn_attention
 
 
+def test_checkpointed_recompute_keeps_attention_off_cudnn_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient checkpointing recomputes each layer's forward in backward, outside the autocast
+    wrapper; torch restores autocast there but not the attention switches, so a CUDA bf16 placement
+    enters them again around every recompute (checked on the CPU: the switches are global flags)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from fedpeft.devices import enable_gradient_checkpointing
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, attn_implementation="sdpa")
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    for placement, recomputed in ((Placement(torch.device("cuda"), "bf16"), [False, False]),
+                                  (Placement(torch.device("cuda"), "bf16", cudnn_attention=True), [True, True]),
+                                  (Placement(torch.device("cpu"), "bf16"), [True, True])):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config).train()
+        enable_gradient_checkpointing(model, placement)
+        seen.clear()
+        model(torch.randint(0, 50, (2, 5)), labels=torch.tensor([0, 1])).loss.backward()
+        assert seen == [True, True, *recomputed], placement  # the forward, then backward's recompute
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 # ----- the real GPU paths (skipped with a message on machines without them) ---------------------------------
 @pytest.mark.parametrize("device", [CUDA, MPS])
 def test_bf16_lora_rounds_on_the_accelerator(toy_files: tuple[Path, Path], tmp_path: Path, device: str) -> None:

@@ -151,7 +151,8 @@ class Placement:
     def from_config(cls, engine: EngineConfig) -> Placement:
         return cls(resolve_device(engine.device), engine.precision, engine.cudnn_attention)
 
-    def autocast(self) -> AbstractContextManager[Any]:
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
         """Autocast to the precision on this device (a no-op in fp32).
 
         On CUDA in bf16/fp16, scaled-dot-product attention is also kept to the flash, memory-efficient
@@ -162,11 +163,23 @@ class Placement:
         1.48 s (``device_cuda.md``). cuDNN never serves fp32, and the CPU has no such kernel, so
         neither is touched."""
         if self.precision == "fp32":
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=DTYPES[self.precision]), self.attention_kernels():
+            yield
+
+    @property
+    def keeps_attention_off_cudnn(self) -> bool:
+        return self.precision != "fp32" and self.device.type == "cuda" and not self.cudnn_attention
+
+    def attention_kernels(self) -> AbstractContextManager[Any]:
+        """The scaled-dot-product attention kernels this placement allows (see :meth:`autocast`): without
+        cuDNN's on CUDA in bf16/fp16 unless ``engine.cudnn_attention``, else PyTorch's own choice."""
+        if not self.keeps_attention_off_cudnn:
             return nullcontext()
-        cast = torch.autocast(self.device.type, dtype=DTYPES[self.precision])
-        if self.device.type != "cuda" or self.cudnn_attention:
-            return cast
-        return _without_cudnn_attention(cast)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def describe(self) -> str:
         """Where and how this process computes, for a run's summary: ``cuda:0 (NVIDIA H200), fp32,
@@ -176,14 +189,6 @@ class Placement:
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
         return torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-
-
-@contextmanager
-def _without_cudnn_attention(cast: AbstractContextManager[Any]) -> Iterator[None]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with cast, sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
 
 
 def place_model(model: nn.Module, trainable: list[str], cfg: ExperimentConfig, placement: Placement) -> None:
@@ -205,7 +210,7 @@ def place_model(model: nn.Module, trainable: list[str], cfg: ExperimentConfig, p
     if placement.precision != "fp32":
         model.forward = _autocast_forward(model.forward, placement)  # type: ignore[method-assign]
     if cfg.engine.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, placement)
 
 
 def _quantized(param: nn.Parameter) -> bool:
@@ -222,16 +227,23 @@ def _autocast_forward(forward: Callable[..., Any], placement: Placement) -> Call
     return autocast_forward
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
+def enable_gradient_checkpointing(model: nn.Module, placement: Placement) -> None:
     """Activation checkpointing of the transformers model inside ``model`` (non-reentrant: frozen
-    embeddings need no input gradients, and dropout's RNG is replayed)."""
+    embeddings need no input gradients, and dropout's RNG is replayed).
+
+    The forward recomputed in backward runs outside the forward's autocast wrapper: torch's checkpoint
+    restores the autocast state but not the attention-kernel switches, so the placement's
+    :meth:`Placement.attention_kernels` is entered again around each recompute (``context_fn``)."""
     from transformers import PreTrainedModel
 
     inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if inner is None or not inner.supports_gradient_checkpointing:
         name = type(inner or model).__name__
         raise ConfigError("engine.gradient_checkpointing", f"{name} does not support gradient checkpointing")
-    inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if placement.keeps_attention_off_cudnn:
+        kwargs["context_fn"] = lambda: (nullcontext(), placement.attention_kernels())
+    inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
 def configure_determinism(engine: EngineConfig, device: torch.device) -> None:
