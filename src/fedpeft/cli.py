@@ -179,6 +179,10 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.report_only:
         sweep = load_sweep(Path(args.sweep))
         restrict(sweep, only)  # a misspelt --only fails here too
+        if sweep.is_benchmark:
+            from fedpeft.records import restore_records
+
+            restore_records(sweep, console.print)
     else:
         sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print,
                           only=only, device=args.device)
@@ -456,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--device", help="engine.device of every tune and run started (e.g. cuda): a benchmark on a GPU "
                                         "without editing its file")
     sweep.add_argument("--report-only", action="store_true",
-                       help="run nothing: write the results of the runs that finished (the rest listed as not run)")
+                       help="run nothing: write the results of the runs that finished, here or in the committed "
+                            "records (the rest listed as not run)")
     sweep.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                        help="run only these cells (KEY: task, method, partition or seed; repeatable): a large "
                             "benchmark one part at a time; the results cover every run finished so far")

@@ -430,8 +430,13 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
     finished (:func:`schedule`); skip what is done. ``only``: run just those cells (:func:`restrict`); the
     sweep returned is the whole file, so its report covers every run finished so far. ``device``: the
     ``engine.device`` of every tune and run started now (a committed benchmark on a GPU without editing its
-    file; each run's summary records where it computed)."""
+    file; each run's summary records where it computed). A benchmark first gets back the committed records
+    of its finished runs (:mod:`fedpeft.records`), so only what is not done runs."""
     whole = load_sweep(path)
+    if whole.is_benchmark:
+        from fedpeft.records import restore_records
+
+        restore_records(whole, say)
     sweep = restrict(whole, only) if only else whole
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"

@@ -129,9 +129,14 @@ def fingerprint_matches(fingerprint: Any, cfg: ExperimentConfig) -> bool:
 
 
 def read_saved_config(path: Path) -> ExperimentConfig:
-    """A run directory's ``config.yaml`` as the run ran it: :data:`BEFORE_FIELDS` it lacks take the value
-    they had before they existed (raises what :func:`build_config` and YAML raise, and OSError)."""
-    raw = yaml.safe_load(path.read_text())
+    """A run directory's ``config.yaml`` as the run ran it (:func:`saved_config`; raises what
+    :func:`build_config` and YAML raise, and OSError)."""
+    return saved_config(yaml.safe_load(path.read_text()))
+
+
+def saved_config(raw: dict[str, Any]) -> ExperimentConfig:
+    """A saved ``config.yaml`` (as plain data, changed in place) as the run ran it: :data:`BEFORE_FIELDS`
+    it lacks take the value they had before they existed."""
     for (*sections, field), value in BEFORE_FIELDS.items():
         node = _section(raw, sections)
         if node is not None:

@@ -35,6 +35,7 @@ from fedpeft.claims import (
 from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
 from fedpeft.metrics.report import band, metric_cell
 from fedpeft.metrics.summary import human_bytes
+from fedpeft.records import write_records
 from fedpeft.sweep import Sweep, SweepRun
 
 SPEC_FIELDS = ("task", "partition", "method", "recipe", "seed", "rounds", "clients", "clients_per_round", "metric",
@@ -200,7 +201,8 @@ def missing_cells(sweep: Sweep, missing: Sequence[str]) -> list[str]:
 
 
 def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
-    """Write ``NAME.json``, ``NAME.md`` and the figures into the sweep's results folder."""
+    """Write ``NAME.json``, ``NAME.md``, the figures and the run records (:mod:`fedpeft.records`) into the
+    sweep's results folder."""
     name = sweep.spec.name or "benchmark"
     folder = sweep.results_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -223,6 +225,7 @@ def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
     paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
     figures = _figures(sweep, folder, name, summary, ceilings, command)
     paths["md"].write_text(markdown(data, figures))
+    paths["records"] = write_records(sweep)
     return {**paths, **{f"png{i}": p for i, p in enumerate(figures)}}
 
 

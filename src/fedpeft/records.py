@@ -1,0 +1,132 @@
+"""A benchmark's run records, committed beside its results, so that a fresh clone can rewrite them.
+
+A benchmark's results (``NAME.json``, ``.md``, figures) are computed from its run directories and
+tune folders under ``out_dir``, which are not committed (checkpoints are large). Without them,
+``fedpeft sweep FILE --report-only`` on a fresh clone would report every run as missing, and adding
+one cell to a benchmark (``--only partition=...``) would mean re-running all the others. So
+:func:`write_records` keeps, in ``RESULTS_DIR/NAME_records.jsonl.gz``, the small files each finished
+run and tune leaves (the resolved config, the per-round metrics, the summary, the partition; the
+tune's choice and its trials table), and :func:`restore_records` writes them back into the run
+directories a sweep expects before it runs or reports: restored runs count as finished, the others
+run.
+
+A record is restored only where it is still the run the sweep file asks for: its saved config must
+match the config the file gives now field for field (the resume fingerprint: every field but
+``rounds``, ``output`` and where it computes) and run the same number of rounds. A record that no
+longer matches (the file or a recipe's defaults changed) stays out, is named, and its run runs
+again. Checkpoints are not kept, so a restored run can be reported but not resumed further.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedpeft.config import ConfigError, build_config
+from fedpeft.metrics.recorder import CONFIG, METRICS, PARTITION, SUMMARY, resume_differences, saved_config
+from fedpeft.sweep import Sweep, finished, with_tuned
+
+RUN_FILES = (CONFIG, METRICS, SUMMARY, PARTITION)
+"""What a finished run leaves besides its checkpoint; everything a benchmark's report reads."""
+
+TUNE_FILES = ("tune.json", "best.yaml", "trials.csv")
+"""What a finished tune leaves that a sweep reads (its choice) or a reader checks (every trial)."""
+
+
+def records_path(sweep: Sweep) -> Path:
+    return sweep.results_dir() / f"{sweep.spec.name or 'benchmark'}_records.jsonl.gz"
+
+
+def _files(folder: Path, names: tuple[str, ...]) -> dict[str, str]:
+    return {name: (folder / name).read_text() for name in names if (folder / name).is_file()}
+
+
+def write_records(sweep: Sweep) -> Path:
+    """Write the records of every finished run and tune of ``sweep`` (one JSON line each, gzip without a
+    timestamp, so the same records give the same bytes)."""
+    lines = [{"tune": key, "files": _files(sweep.tune_dir(key), TUNE_FILES)}
+             for key in sorted(sweep.tunes) if (sweep.tune_dir(key) / "tune.json").is_file()]
+    lines += [{"run": run.name, "files": _files(run.run_dir, RUN_FILES)} for run in sweep.runs if finished(run.run_dir)]
+    payload = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines).encode()
+    path = records_path(sweep)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    with partial.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as handle:
+        handle.write(payload)
+    partial.replace(path)
+    return path
+
+
+def read_records(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]]:
+    """(tunes by key, runs by name) of a records file; empty where there is none."""
+    tunes: dict[str, dict[str, str]] = {}
+    runs: dict[str, dict[str, str]] = {}
+    if not path.is_file():
+        return tunes, runs
+    with gzip.open(path, "rt") as handle:
+        for number, line in enumerate(handle, 1):
+            try:
+                record = json.loads(line)
+                files = record["files"]
+                (tunes if "tune" in record else runs)[record.get("tune") or record["run"]] = files
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConfigError("records", f"{path} line {number} is not a run or tune record: {err}") from None
+    return tunes, runs
+
+
+def _write(folder: Path, files: dict[str, str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
+    """Write the committed records of ``sweep``'s runs and tunes that are not on disk back into their
+    folders, where they still match the sweep file; return how many runs came back. Tunes come back
+    first (a run's config includes what its tune chose); a tune is kept on disk, never overwritten."""
+    tunes, runs = read_records(records_path(sweep))
+    for key in sweep.tunes:
+        if key in tunes and not (sweep.tune_dir(key) / "tune.json").is_file():
+            _write(sweep.tune_dir(key), tunes[key])
+    restored, stale = 0, []
+    for run in sweep.runs:
+        files = runs.get(run.name)
+        if files is None or finished(run.run_dir) or (run.run_dir / CONFIG).exists():
+            continue  # nothing kept, done on disk, or a run in progress here (it resumes)
+        problem = _mismatch(sweep, run, files)
+        if problem:
+            stale.append(f"{run.name} ({problem})")
+            continue
+        _write(run.run_dir, files)
+        restored += 1
+    if restored:
+        say(f"restored {restored} finished run(s) from {records_path(sweep)}")
+    for line in stale:
+        say(f"not restored, runs again: {line}")
+    return restored
+
+
+def _mismatch(sweep: Sweep, run: Any, files: dict[str, str]) -> str:
+    """Why a record is not the run the sweep file asks for now ('' when it is)."""
+    if set(files) != set(RUN_FILES):
+        return f"the record lacks {', '.join(sorted(set(RUN_FILES) - set(files)))}"
+    try:
+        given = build_config(with_tuned(sweep, run))
+    except ConfigError as err:
+        return str(err)
+    try:
+        raw = yaml.safe_load(files[CONFIG])
+        # where it computed is not part of the experiment (and a CUDA run's device does not validate here)
+        raw.setdefault("engine", {})["device"] = given.engine.device
+        saved = saved_config(raw)
+    except (ConfigError, yaml.YAMLError, AttributeError, TypeError) as err:
+        return f"its config does not load: {err}"
+    if saved.rounds != given.rounds:
+        return f"rounds ({saved.rounds} in the record, {given.rounds} in the file)"
+    differences = resume_differences(saved, given)
+    return "; ".join(differences[:3]) + (" ..." if len(differences) > 3 else "")

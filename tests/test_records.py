@@ -1,0 +1,103 @@
+"""A benchmark's committed run records: a fresh clone rewrites the same results, and only records that are
+still the runs the sweep file asks for come back."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedpeft.config import ConfigError
+from fedpeft.records import read_records, records_path, restore_records, write_records
+from fedpeft.sweep import load_sweep
+from tests.test_benchmark import _benchmark
+
+
+def _results(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "results" / "toy.json").read_text())
+
+
+@pytest.mark.slow
+def test_results_come_back_from_the_records_and_stale_records_run_again(tmp_path: Path) -> None:
+    from fedpeft.cli import main
+
+    path = tmp_path / "toy.yaml"
+    spec = _benchmark(tmp_path)
+    spec["tune"] = {"trials": 2, "pruner": "none", "validation_fraction": 0.2, "skip": ["bitfit"]}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main(["sweep", str(path), "--workers", "2"]) == 0
+    first = _results(tmp_path)
+    assert len(first["rows"]) == 4 and not first["missing_runs"]
+    sweep = load_sweep(path)
+    records = records_path(sweep)
+    tunes, runs = read_records(records)
+    assert set(tunes) == {"toy_iid_lora"} and set(runs) == {run.name for run in sweep.runs}
+    assert set(runs["toy_iid_lora_seed0"]) == {"config.yaml", "metrics.jsonl", "summary.json", "partition.json"}
+    before = records.read_bytes()
+    assert write_records(sweep).read_bytes() == before  # the same records give the same bytes
+
+    # a fresh clone: no run directories, no tunes; the report is the same, from the records alone
+    for folder in (tmp_path / "runs").iterdir():
+        if folder.is_dir() and folder.name not in ("configs", "logs"):
+            for file in sorted(folder.rglob("*"), reverse=True):
+                file.unlink() if file.is_file() else file.rmdir()
+            folder.rmdir()
+    assert main(["sweep", str(path), "--report-only"]) == 0
+    again = _results(tmp_path)
+    assert again["rows"] == first["rows"] and again["claims"] == first["claims"]
+    assert again["tuning"] == first["tuning"] and again["ceilings"] == first["ceilings"]
+    assert not (tmp_path / "runs" / "toy_iid_lora_seed0" / "checkpoint.pt").exists()
+
+    # the file changes one method: its records are stale and say why; the others come back
+    for run in load_sweep(path).runs:
+        for file in run.run_dir.iterdir():
+            file.unlink()
+        run.run_dir.rmdir()
+    spec["methods"]["bitfit"]["client"] = {"lr": 0.0123}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    said: list[str] = []
+    assert restore_records(load_sweep(path), said.append) == 3  # lora's two seeds and its ceiling
+    assert said[0].startswith("restored 3 finished run(s)")
+    assert any("toy_iid_bitfit_seed0 (client.lr (" in line and "0.0123 given)" in line for line in said[1:])
+    # so `--report-only` lists bitfit as not run, and a sweep would run it again
+    assert main(["sweep", str(path), "--report-only"]) == 0
+    assert sorted(_results(tmp_path)["missing_runs"]) == ["toy_iid_bitfit_seed0", "toy_iid_bitfit_seed1"]
+
+
+def test_rounds_must_match_and_a_run_in_progress_is_left_to_resume(tmp_path: Path) -> None:
+    spec = _benchmark(tmp_path)
+    spec.pop("tune")
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    sweep = load_sweep(path)
+    run = sweep.runs[0]
+    from fedpeft.config import build_config
+
+    config = build_config(run.raw)
+    files = {"config.yaml": yaml.safe_dump(config.model_dump(mode="json")), "metrics.jsonl": "{}\n",
+             "summary.json": "{}", "partition.json": "{}"}
+    stale = {"config.yaml": files["config.yaml"].replace(f"rounds: {config.rounds}", "rounds: 9")}
+    records = records_path(sweep)
+    records.parent.mkdir(parents=True)
+    with gzip.open(records, "wt") as handle:
+        handle.write(json.dumps({"run": run.name, "files": files}) + "\n")
+        handle.write(json.dumps({"run": sweep.runs[1].name, "files": {**files, **stale}}) + "\n")
+        handle.write(json.dumps({"run": sweep.runs[2].name, "files": files}) + "\n")
+    sweep.runs[2].run_dir.mkdir(parents=True)
+    (sweep.runs[2].run_dir / "config.yaml").write_text("seed: 0\n")  # started here: it resumes, not replaced
+    said: list[str] = []
+    assert restore_records(sweep, said.append) == 1
+    assert (run.run_dir / "summary.json").read_text() == "{}"
+    assert said[1] == f"not restored, runs again: {sweep.runs[1].name} (rounds (9 in the record, 3 in the file))"
+    assert (sweep.runs[2].run_dir / "config.yaml").read_text() == "seed: 0\n"
+
+
+def test_a_malformed_records_file_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "toy_records.jsonl.gz"
+    with gzip.open(path, "wt") as handle:
+        handle.write(json.dumps({"tune": "a", "files": {}}) + "\n" + "not json\n")
+    with pytest.raises(ConfigError, match="line 2 is not a run or tune record"):
+        read_records(path)
