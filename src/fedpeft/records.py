@@ -23,16 +23,25 @@ import gzip
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from fedpeft.config import ConfigError, build_config
-from fedpeft.metrics.recorder import CONFIG, METRICS, PARTITION, SUMMARY, resume_differences, saved_config
-from fedpeft.sweep import Sweep, finished, with_tuned
+from fedpeft.metrics.recorder import (
+    CONFIG,
+    METRICS,
+    PARTITION,
+    SUMMARY,
+    atomic_write_bytes,
+    resume_differences,
+    saved_config,
+)
+from fedpeft.sweep import Sweep, SweepRun, finished, with_tuned
 
-RUN_FILES = (CONFIG, METRICS, SUMMARY, PARTITION)
-"""What a finished run leaves besides its checkpoint; everything a benchmark's report reads."""
+RUN_FILES = (CONFIG, METRICS, PARTITION, SUMMARY)
+"""What a finished run leaves besides its checkpoint; everything a benchmark's report reads. Restored in
+this order, each file atomically: the summary, which marks a run finished, comes last, so a restore cut
+short leaves a run in progress (it runs again), never a finished run with files missing."""
 
 TUNE_FILES = ("tune.json", "best.yaml", "trials.csv")
 """What a finished tune leaves that a sweep reads (its choice) or a reader checks (every trial)."""
@@ -55,10 +64,7 @@ def write_records(sweep: Sweep) -> Path:
     payload = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines).encode()
     path = records_path(sweep)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")
-    with partial.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as handle:
-        handle.write(payload)
-    partial.replace(path)
+    atomic_write_bytes(path, gzip.compress(payload, mtime=0))
     return path
 
 
@@ -79,10 +85,11 @@ def read_records(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, dict[
     return tunes, runs
 
 
-def _write(folder: Path, files: dict[str, str]) -> None:
+def _write(folder: Path, files: dict[str, str], order: tuple[str, ...]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (folder / name).write_text(text)
+    for name in order:
+        if name in files:
+            atomic_write_bytes(folder / name, files[name].encode())
 
 
 def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
@@ -92,7 +99,7 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     tunes, runs = read_records(records_path(sweep))
     for key in sweep.tunes:
         if key in tunes and not (sweep.tune_dir(key) / "tune.json").is_file():
-            _write(sweep.tune_dir(key), tunes[key])
+            _write(sweep.tune_dir(key), tunes[key], TUNE_FILES[::-1])  # tune.json, the mark, last
     restored, stale = 0, []
     for run in sweep.runs:
         files = runs.get(run.name)
@@ -102,7 +109,7 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
         if problem:
             stale.append(f"{run.name} ({problem})")
             continue
-        _write(run.run_dir, files)
+        _write(run.run_dir, files, RUN_FILES)
         restored += 1
     if restored:
         say(f"restored {restored} finished run(s) from {records_path(sweep)}")
@@ -111,7 +118,7 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     return restored
 
 
-def _mismatch(sweep: Sweep, run: Any, files: dict[str, str]) -> str:
+def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:
     """Why a record is not the run the sweep file asks for now ('' when it is)."""
     if set(files) != set(RUN_FILES):
         return f"the record lacks {', '.join(sorted(set(RUN_FILES) - set(files)))}"
