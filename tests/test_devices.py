@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -66,6 +67,24 @@ def test_cuda_without_cuda_is_refused_naming_the_field(tmp_path: Path, device: s
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS: the refusal cannot happen")
 def test_mps_without_mps_is_refused() -> None:
     assert config_error({"engine": {"device": "mps"}}).field == "engine.device"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the refusal cannot happen")
+def test_a_saved_gpu_run_reads_back_on_a_cpu_only_machine(tmp_path: Path) -> None:
+    """A run's config.yaml records where it ran; exporting, comparing or resuming it on a machine without
+    that GPU must not refuse it, while a config to run here still is."""
+    from fedpeft.export import read_config
+    from fedpeft.metrics.recorder import resume_differences, saved_config
+
+    ran = build_config({"engine": {"device": "cpu", "precision": "bf16"}, "model": {"dtype": "bf16"}}).model_dump(
+        mode="json")
+    ran["engine"]["device"] = "cuda"  # what a GPU run's config.yaml holds
+    assert config_error(dict(ran)).field == "engine.device"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(ran))
+    saved = read_config(tmp_path)
+    assert saved.engine.device == "cuda" and saved.engine.precision == "bf16" and saved.model.dtype == "bf16"
+    given = build_config({"engine": {"device": "cpu", "precision": "bf16"}, "model": {"dtype": "bf16"}})
+    assert resume_differences(saved_config(yaml.safe_load(yaml.safe_dump(ran))), given) == []
 
 
 def test_unknown_device_names_the_allowed_ones() -> None:

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -306,10 +314,12 @@ class EngineConfig(_Strict):
 
     @field_validator("device")
     @classmethod
-    def _device_present(cls, value: str) -> str:
+    def _device_present(cls, value: str, info: ValidationInfo) -> str:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
             raise ValueError(f"allowed: auto, cpu, cuda, cuda:N, mps (got {value!r})")
-        if value not in ("auto", "cpu"):  # asking torch costs an import; the defaults need no answer
+        # asking torch costs an import; the defaults need no answer; a saved run's record is not checked
+        # against this machine (see build_config's `here`)
+        if value not in ("auto", "cpu") and _checks_hardware(info):
             from fedpeft.devices import device_problem
 
             problem = device_problem(value)
@@ -473,10 +483,10 @@ class ExperimentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _accelerator(self) -> ExperimentConfig:
+    def _accelerator(self, info: ValidationInfo) -> ExperimentConfig:
         engine, model = self.engine, self.model
         if (engine.precision, model.dtype, model.quantization, engine.gradient_checkpointing) == \
-                ("fp32", "fp32", "none", False):
+                ("fp32", "fp32", "none", False) or not _checks_hardware(info):
             return self
         from fedpeft.devices import accelerator_problem
 
@@ -560,8 +570,14 @@ def _format_validation_error(err: ValidationError) -> ConfigError:
     return ConfigError(field, message)
 
 
-def build_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """Merge the recipe's defaults under ``raw`` and validate."""
+def _checks_hardware(info: ValidationInfo) -> bool:
+    return not (info.context or {}).get("elsewhere", False)
+
+
+def build_config(raw: dict[str, Any], *, here: bool = True) -> ExperimentConfig:
+    """Merge the recipe's defaults under ``raw`` and validate. ``here=False``: a config that ran
+    elsewhere (a saved run's ``config.yaml``, read to compare, resume or export it), so what it asks of
+    the hardware (``engine.device``, precision, quantisation) is not checked against this machine."""
     from fedpeft.recipes import RECIPES
 
     method = raw.get("method", "lora")
@@ -574,7 +590,7 @@ def build_config(raw: dict[str, Any]) -> ExperimentConfig:
     merged = deep_merge(deep_merge(defaults, preset_sections(raw)), raw)
     merged["method"] = method
     try:
-        return ExperimentConfig.model_validate(merged)
+        return ExperimentConfig.model_validate(merged, context={"elsewhere": not here})
     except ValidationError as err:
         raise _format_validation_error(err) from None
 

@@ -127,10 +127,7 @@ def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:
     except ConfigError as err:
         return str(err)
     try:
-        raw = yaml.safe_load(files[CONFIG])
-        # where it computed is not part of the experiment (and a CUDA run's device does not validate here)
-        raw.setdefault("engine", {})["device"] = given.engine.device
-        saved = saved_config(raw)
+        saved = saved_config(yaml.safe_load(files[CONFIG]))
     except (ConfigError, yaml.YAMLError, AttributeError, TypeError) as err:
         return f"its config does not load: {err}"
     if saved.rounds != given.rounds:

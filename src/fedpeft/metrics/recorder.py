@@ -136,12 +136,13 @@ def read_saved_config(path: Path) -> ExperimentConfig:
 
 def saved_config(raw: dict[str, Any]) -> ExperimentConfig:
     """A saved ``config.yaml`` (as plain data, changed in place) as the run ran it: :data:`BEFORE_FIELDS`
-    it lacks take the value they had before they existed."""
+    it lacks take the value they had before they existed, and what it asked of the hardware is not
+    checked against this machine (a run trained on a GPU is compared, resumed or exported on a CPU)."""
     for (*sections, field), value in BEFORE_FIELDS.items():
         node = _section(raw, sections)
         if node is not None:
             node.setdefault(field, value)
-    return build_config(raw)
+    return build_config(raw, here=False)
 
 
 def resume_differences(saved: ExperimentConfig, given: ExperimentConfig) -> list[str]:
