@@ -22,12 +22,14 @@ from fedpeft.metrics.stats import t_halfwidth
 
 ROWS = {
     ("iid", "lora"): {"method": "lora", "final_metric": 0.85, "final_metric_ci": [0.83, 0.87],
-                      "uplink_bytes_per_client_round": 300_000.0, "seconds_to_target": 100.0},
+                      "uplink_bytes_per_client_round": 300_000.0, "seconds_to_target": 100.0,
+                      "communication_seconds_to_target": 80.0},
     ("iid", "tt"): {"method": "tt", "final_metric": 0.845, "final_metric_ci": [0.835, 0.855],
                     "uplink_bytes_per_client_round": 50_000.0, "last_uplink_bytes_per_client": 20_000.0,
                     "seconds_to_target": None},
     ("iid", "weak"): {"method": "weak", "final_metric": 0.70, "final_metric_ci": [0.69, 0.71],
-                      "uplink_bytes_per_client_round": 1_000.0},
+                      "uplink_bytes_per_client_round": 1_000.0, "seconds_to_target": 95.0,
+                      "communication_seconds_to_target": 20.0},
     ("skew", "lora"): {"method": "lora", "final_metric": 0.75, "final_metric_ci": [0.74, 0.76]},
     ("skew", "tt"): {"method": "tt", "final_metric": 0.80, "final_metric_ci": [0.79, 0.81]},
 }
@@ -54,6 +56,9 @@ def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Interval:
     # the drop from iid to skew: tt loses 0.045 [0.025, 0.065], lora 0.10 [0.07, 0.13]
     ('tt["iid"].final - tt["skew"].final < lora["iid"].final - lora["skew"].final', CONFIRMED),
     ("tt.time_to_target <= lora.time_to_target", NOT_REACHED),            # tt never reached the target
+    ("4 * weak.comm_time_to_target <= lora.comm_time_to_target", CONFIRMED),  # communication alone: 80 <= 80
+    ("5 * weak.comm_time_to_target <= lora.comm_time_to_target", REFUTED),
+    ("4 * weak.time_to_target <= lora.time_to_target", REFUTED),          # with compute: 380 > 100
     ("ghost.final >= lora.final", NOT_REACHED),
     # a part without a value: one refuted part still settles an `and`, one confirmed part an `or`
     ("tt.time_to_target <= lora.time_to_target and weak.final >= lora.final", REFUTED),

@@ -64,8 +64,37 @@ def test_bandwidth_time_is_slowest_client() -> None:
     record = {"bytes_down": [1_000_000, 0], "bytes_up": [125_000, 250_000], "client_seconds": [1.0, 0.5]}
     # client 0: 1 s down + 1 s compute + 1 s up = 3 s; client 1: 0.5 s + 2 s up = 2.5 s
     assert link.round_seconds(record) == pytest.approx(3.0)
+    # communication alone (FLASC's Fig. 3): client 0 2 s, client 1 2 s up
+    assert link.round_seconds(record, compute=False) == pytest.approx(2.0)
     with pytest.raises(Exception, match="bandwidth"):
         Bandwidth.parse("fast")
+
+
+def test_communication_time_to_target_leaves_compute_out(two_runs: list[Path]) -> None:
+    """Time to target with and without compute: the same rounds' bytes over the same links, so the two
+    differ by exactly the slowest clients' compute, and only the communication time is the same for a
+    run whose clients computed ten times faster (a GPU run beside a CPU one)."""
+    run = load_run(two_runs[0])
+    best = run_row(run, target=None)["best_metric"]
+    link = Bandwidth.parse("8/1")
+    row = run_row(run, target=best, bandwidth=link)
+    reached = row["rounds_to_target"]
+    trained = [r for r in run.records if 0 < r["round"] <= reached]
+    comm = sum(max(8 * d / 8e6 + 8 * u / 1e6 for d, u in zip(r["bytes_down"], r["bytes_up"])) for r in trained)
+    assert row["communication_seconds_to_target"] == pytest.approx(comm)
+    assert row["seconds_to_target"] > row["communication_seconds_to_target"] > 0
+    faster = [{**r, "client_seconds": [s / 10 for s in r["client_seconds"]]} if r["round"] > 0 else r
+              for r in run.records]
+    again = run_row(dataclasses.replace(run, records=faster), target=best, bandwidth=link)
+    assert again["communication_seconds_to_target"] == pytest.approx(comm)
+    assert again["seconds_to_target"] < row["seconds_to_target"]
+    # without a bandwidth: the run's own simulated network, else no communication time
+    own = sum(r["time"]["simulated_communication"] for r in trained)
+    assert run_row(run, target=best)["communication_seconds_to_target"] == pytest.approx(own)
+    unsimulated = [{**r, "time": {k: v for k, v in r["time"].items() if not k.startswith("simulated")}}
+                   for r in run.records]
+    assert run_row(dataclasses.replace(run, records=unsimulated), target=best)[
+        "communication_seconds_to_target"] is None
 
 
 def test_compare_writes_table_report_and_figures(two_runs: list[Path], tmp_path: Path,

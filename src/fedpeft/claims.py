@@ -8,8 +8,10 @@ federa["dirichlet0.1"].final``). Quantities: ``final``, ``best`` (the metric), `
 ``downlink`` (bytes per client and round, mean over rounds), ``last_uplink`` (a client's upload in
 the last round), ``total_bytes``, ``params``, ``flops`` (client FLOPs per
 step), ``round_flops`` (per client round, where the method counts one: head pruning's importance pass),
-``rounds_to_target``, ``bytes_to_target``, ``time_to_target`` (simulated seconds), ``wall``,
-or any other numeric field of a result row.
+``rounds_to_target``, ``bytes_to_target``, ``time_to_target`` (simulated seconds: each round's
+slowest client's download + measured compute + upload), ``comm_time_to_target`` (the same without
+compute: what FLASC's Fig. 3 measures, and comparable across runs that computed on different
+devices), ``wall``, or any other numeric field of a result row.
 
 Every quantity is an interval (the 95% interval over seeds for the metric, see
 :mod:`fedpeft.metrics.stats`; over seeds likewise for the others, which are often exact). The
@@ -50,7 +52,8 @@ QUANTITIES = {
     "downlink": "downlink_bytes_per_client_round", "last_uplink": "last_uplink_bytes_per_client",
     "params": "trainable_params", "flops": "client_flops_per_step",
     "round_flops": "client_flops_per_round",
-    "time_to_target": "seconds_to_target", "wall": "wall_seconds",
+    "time_to_target": "seconds_to_target", "comm_time_to_target": "communication_seconds_to_target",
+    "wall": "wall_seconds",
 }
 
 

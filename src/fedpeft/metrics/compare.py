@@ -8,6 +8,7 @@ its config had a network model), or the measured wall clock.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from collections.abc import Sequence
@@ -44,12 +45,14 @@ class Bandwidth:
             raise ConfigError("--bandwidth", f"speeds must be > 0, got {text!r}")
         return cls(down, up)
 
-    def round_seconds(self, record: dict[str, Any]) -> float:
-        """The round lasts as long as its slowest client: download + compute + upload."""
-        compute = record.get("client_seconds") or [0.0] * len(record["bytes_up"])
+    def round_seconds(self, record: dict[str, Any], compute: bool = True) -> float:
+        """The round lasts as long as its slowest client: download + compute + upload (``compute``
+        off: download + upload, the communication time alone)."""
+        seconds = record.get("client_seconds") if compute else None
         per_client = [
-            8 * down / (self.down_mbps * 1e6) + seconds + 8 * up / (self.up_mbps * 1e6) + 2 * self.latency_seconds
-            for down, up, seconds in zip(record["bytes_down"], record["bytes_up"], compute)
+            8 * down / (self.down_mbps * 1e6) + busy + 8 * up / (self.up_mbps * 1e6) + 2 * self.latency_seconds
+            for down, up, busy in zip(record["bytes_down"], record["bytes_up"],
+                                      seconds or [0.0] * len(record["bytes_up"]))
         ]
         return max(per_client, default=0.0)
 
@@ -107,6 +110,19 @@ def time_axis(run: Run, bandwidth: Bandwidth | None) -> tuple[list[float], str]:
     return out, label
 
 
+def communication_axis(run: Run, bandwidth: Bandwidth | None) -> list[float] | None:
+    """Cumulative communication seconds at the end of each record: each round's slowest client's
+    download + upload, no compute (FLASC's Fig. 3 measure, which does not depend on where a run
+    computed); from ``bandwidth``, else from the run's own simulated network; None without either."""
+    if bandwidth is not None:
+        per_round = [bandwidth.round_seconds(r, compute=False) for r in run.records]
+    elif run.trained and all("simulated_communication" in r["time"] for r in run.trained):
+        per_round = [r["time"].get("simulated_communication", 0.0) for r in run.records]
+    else:
+        return None
+    return list(itertools.accumulate(per_round))
+
+
 def _mean(values: Sequence[float]) -> float:
     return float(statistics.fmean(values)) if values else 0.0
 
@@ -125,6 +141,8 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
     cfg = run.config
     times, time_kind = time_axis(run, bandwidth)
     time_at = {r["round"]: t for r, t in zip(run.records, times)}
+    communication = communication_axis(run, bandwidth)
+    communication_at = {r["round"]: t for r, t in zip(run.records, communication or [])}
     start = next((v for r, v in curve if r["round"] == 0), None)
     below_start = target is not None and start is not None and target <= start
     reached = None if below_start else next(((r, v) for r, v in curve if target is not None and v >= target
@@ -161,6 +179,7 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
         "bytes_to_target": (reached[0]["cum_bytes_up"] + reached[0]["cum_bytes_down"]) if reached else None,
         "uplink_bytes_to_target": reached[0]["cum_bytes_up"] if reached else None,
         "seconds_to_target": time_at[reached[0]["round"]] if reached else None,
+        "communication_seconds_to_target": communication_at.get(reached[0]["round"]) if reached else None,
         "time_kind": time_kind,
         "client_flops_per_step": last.get("client_flops_per_step"),
         # a method that counts a whole client round (head pruning: training + importance pass)
@@ -190,6 +209,7 @@ def default_target(runs: Sequence[Run], fraction: float = 0.95) -> float | None:
 
 
 SEED_KEYS = ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target", "seconds_to_target",
+             "communication_seconds_to_target",
              "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "last_uplink_bytes_per_client",
              "total_bytes", "wall_seconds")
 

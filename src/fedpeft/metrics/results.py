@@ -45,7 +45,8 @@ SPEC_FIELDS = ("task", "partition", "method", "recipe", "seed", "rounds", "clien
                "client_flops_per_step",
                # beyond the SPEC's list: what claims read seed by seed, so a verdict can be re-judged from the
                # file alone, and where each run computed (a benchmark's runs may span devices)
-               "client_flops_per_round", "last_uplink_bytes_per_client", "seconds_to_target", "computed_on")
+               "client_flops_per_round", "last_uplink_bytes_per_client", "seconds_to_target",
+               "communication_seconds_to_target", "computed_on")
 
 
 def _target(sweep: Sweep, task: str) -> float | None:
