@@ -314,14 +314,15 @@ def test_committed_verdicts_rejudge_from_the_results_file_alone(path: Path) -> N
 
 
 def test_readme_results_match_the_committed_results() -> None:
-    """The README's results block is generated from benchmarks/results/*.json: it may not drift from them."""
+    """The README's claims tables and benchmarks/results/README.md are generated from benchmarks/results/*.json:
+    they may not drift from them."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "suite.py"), "--check"], cwd=root,
                           capture_output=True, text=True)
-    assert done.returncode == 0, "README.md is out of date: run python benchmarks/suite.py"
+    assert done.returncode == 0, done.stdout
 
 
 def test_crowded_panels_get_distinct_styles_and_an_outside_legend() -> None:
@@ -404,3 +405,32 @@ def test_figure_footer_wraps_a_long_command_inside_the_figure() -> None:
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0
     assert ax.get_window_extent().y0 > box.y1  # the axes sit above the footer
     plt.close(fig)
+
+
+def test_claim_values_print_in_their_own_units() -> None:
+    """Bytes in KB/MB; FLOPs, seconds and metrics as numbers (a FLOP count once printed as '398.67 GB')."""
+    from fedpeft.metrics.results import format_value
+
+    assert format_value("lora.uplink", 632_500.0) == "632.50 KB"
+    assert format_value('federa["iid"].final', 0.803125) == "0.8031"
+    assert format_value("b1.round_flops", 3.9867e11) == "3.987e+11"
+    assert format_value("flasc_d4.comm_time_to_target", 32.06) == "32.06"
+    assert format_value("lora.wall", 20_000.0) == "2e+04"
+
+
+def test_the_readme_claims_table_escapes_pipes_and_lists_each_cell() -> None:
+    """Every judged cell is a row of the README's table for its benchmark, with a '|' in a claim escaped."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suite", Path(__file__).parents[1] / "benchmarks" / "suite.py")
+    assert spec is not None and spec.loader is not None
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    cell = {"task": "sst2", "partition": "iid", "verdict": "confirmed", "why": None,
+            "values": {"a.final": 0.8, "a.uplink": 2048.0}, "paired": None}
+    data = {"benchmark": "toy", "command": "fedpeft sweep toy.yaml",
+            "claims": [{"claim": "a | b holds", "source": "paper", "cells": [cell, {**cell, "partition": "skew"}]}]}
+    rows = [line for line in suite.claims_table(data) if line.startswith("| a")]
+    assert len(rows) == 2 and rows[0].count(" | ") == 5
+    assert rows[0] == ("| a \\| b holds | paper | sst2 / iid | **confirmed** | - | "
+                       "a.final = 0.8, a.uplink = 2.05 KB |")

@@ -73,6 +73,12 @@ def test_verdicts_on_hand_made_results(check: str, verdict: str) -> None:
 def test_a_missing_part_is_named_whatever_settles_the_claim() -> None:
     alone = judge("tt.time_to_target <= lora.time_to_target", lookup)
     assert alone.why == "tt has no time_to_target (target never reached)"
+    # reached, but no bandwidth to time its messages by: the reason is the network, not the target
+    untimed = {"method": "lora", "rounds_to_target": 4.0, "communication_seconds_to_target": None}
+    with pytest.raises(Missing, match="no bandwidth or simulated network"):
+        row_interval(untimed, "comm_time_to_target")
+    with pytest.raises(Missing, match="target never reached"):
+        row_interval({**untimed, "rounds_to_target": None}, "comm_time_to_target")
     settled = judge("tt.time_to_target <= lora.time_to_target and weak.final >= lora.final", lookup)
     assert settled.why == "settled by the other parts, though tt has no time_to_target (target never reached)"
     assert settled.values == {"weak.final": 0.70, "lora.final": 0.85}

@@ -302,8 +302,12 @@ def row_interval(row: Mapping[str, Any], quantity: str) -> Interval:
     key = QUANTITIES.get(quantity, quantity)
     value = row.get(key)
     if value is None:
-        raise Missing(f"{row.get('variant', row.get('method'))} has no {quantity}"
-                      + (" (target never reached)" if "target" in key else ""))
+        why = ""
+        if key == "communication_seconds_to_target" and row.get("rounds_to_target") is not None:
+            why = " (no bandwidth or simulated network to time its messages by)"
+        elif "target" in key:
+            why = " (target never reached)"
+        raise Missing(f"{row.get('variant', row.get('method'))} has no {quantity}{why}")
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ConfigError("claims.check", f"{quantity} is not a number in the results")
     ci = row.get(f"{key}_ci")

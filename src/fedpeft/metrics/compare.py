@@ -45,9 +45,9 @@ class Bandwidth:
             raise ConfigError("--bandwidth", f"speeds must be > 0, got {text!r}")
         return cls(down, up)
 
-    def round_seconds(self, record: dict[str, Any], compute: bool = True) -> float:
-        """The round lasts as long as its slowest client: download + compute + upload (``compute``
-        off: download + upload, the communication time alone)."""
+    def round_seconds(self, record: dict[str, Any], *, compute: bool = True) -> float:
+        """The round lasts as long as its slowest client: download + compute + upload, each message
+        after the link's latency (``compute`` off: the communication time alone)."""
         seconds = record.get("client_seconds") if compute else None
         per_client = [
             8 * down / (self.down_mbps * 1e6) + busy + 8 * up / (self.up_mbps * 1e6) + 2 * self.latency_seconds
@@ -103,11 +103,7 @@ def time_axis(run: Run, bandwidth: Bandwidth | None) -> tuple[list[float], str]:
         label, per_round = "simulated", [r["time"].get("simulated", 0.0) for r in run.records]
     else:
         label, per_round = "wall clock", [r["time"]["round"] if r["round"] > 0 else 0.0 for r in run.records]
-    total, out = 0.0, []
-    for seconds in per_round:
-        total += seconds
-        out.append(total)
-    return out, label
+    return list(itertools.accumulate(per_round)), label
 
 
 def communication_axis(run: Run, bandwidth: Bandwidth | None) -> list[float] | None:

@@ -262,8 +262,8 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
     target = data["target"]
     if target is not None:
         lines += [f"Target (rounds/bytes/time to target): {target}" +
-                  (f"; time simulated at {data['bandwidth']} Mbps down/up plus each client's measured compute"
-                   if data["bandwidth"] else ""), ""]
+                  (f"; time simulated at {data['bandwidth']} Mbps down/up plus each client's measured compute "
+                   "(in brackets: the communication alone)" if data["bandwidth"] else ""), ""]
     lines += ["Values: mean ± std over seeds [95% interval: t over seeds; one seed: binomial from the eval size]. "
               "'within noise': the final interval overlaps the best method's in the same cell.", ""]
     ceilings = {r["task"]: r for r in data["ceilings"]}
@@ -286,7 +286,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                 f"| `{r['method']}` | {r.get('eval_examples') or '-'} | {len(r['seeds'])} | "
                 f"{r['trainable_params']:,} | {metric_cell(r, 'final_metric')} | {metric_cell(r, 'best_metric')} | "
                 f"{r.get('vs_best', '-')} | {human_bytes(r['uplink_bytes_per_client_round'] or 0)} | "
-                f"{_fmt_opt(r['rounds_to_target'])} ({reached}) | {_fmt_seconds(r['seconds_to_target'])} |")
+                f"{_fmt_opt(r['rounds_to_target'])} ({reached}) | {_time_cell(r)} |")
         lines.append("")
     if data["tuning"]:
         lines += ["## Tuning", "", "| tune | chosen | validation metric | trials (complete / pruned / failed) | "
@@ -308,7 +308,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         for claim in data["claims"]:
             for cell in claim["cells"] or [{"task": "-", "partition": "-", "verdict": "not reached", "values": {},
                                             "why": "no cell has results"}]:
-                values = ", ".join(f"{k} = {_fmt_number(v)}" for k, v in cell["values"].items())
+                values = ", ".join(f"{k} = {format_value(k, v)}" for k, v in cell["values"].items())
                 why = f" ({cell['why']})" if cell["why"] else ""
                 paired = cell.get("paired")
                 same_seeds = f"**{paired['verdict']}** ({paired['why']})" if paired else "-"
@@ -329,14 +329,27 @@ def _fmt_opt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _time_cell(row: dict[str, Any]) -> str:
+    """Time to target, and the communication alone beside it where the row has a network model."""
+    comm = row.get("communication_seconds_to_target")
+    return _fmt_seconds(row["seconds_to_target"]) + (f" ({_fmt_seconds(comm)})" if comm is not None else "")
+
+
 def _fmt_seconds(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min"
 
 
-def _fmt_number(value: float) -> str:
-    return f"{value:.4g}" if abs(value) < 1e4 else human_bytes(value) if value < 1e12 else f"{value:.3g}"
+BYTE_QUANTITIES = ("uplink", "downlink", "last_uplink", "total_bytes", "bytes_to_target")
+
+
+def format_value(reference: str, value: float) -> str:
+    """A value a claim read (``reference``: ``METHOD.QUANTITY``), as the results pages print it: bytes
+    in KB/MB, anything else (metrics, seconds, FLOPs) to 4 significant digits."""
+    if reference.rsplit(".", 1)[-1] in BYTE_QUANTITIES:
+        return human_bytes(value)
+    return f"{value:.4g}"
 
 
 FOOTER_POINTS = 7
