@@ -1,8 +1,10 @@
 """The results pages, generated from the benchmarks' own results files.
 
 Every benchmark is a sweep file (``benchmarks/<name>.yaml``) whose ``fedpeft sweep`` writes
-``benchmarks/results/<name>.json``; this script reads those JSON files (no run happens here) and
-rewrites two generated blocks between ``suite:begin`` / ``suite:end`` markers:
+``benchmarks/results/<name>.json``; this script reads those JSON files (no run happens here),
+renders each ``<name>.md`` again from its JSON (so a change in how results print reaches every
+benchmark, including those whose runs are not kept) and rewrites two generated blocks between
+``suite:begin`` / ``suite:end`` markers:
 
 - in ``README.md``, the front door, one table of claims per benchmark: each claim, the cell it was
   judged in, its verdict over seeds and seed by seed, and the values it read;
@@ -11,7 +13,7 @@ rewrites two generated blocks between ``suite:begin`` / ``suite:end`` markers:
   uplink bytes per client and round, within noise or not of the best method) and the verdict of
   each claim with its same-seed gap, exactly as the results file states it.
 
-Run: ``.venv/bin/python benchmarks/suite.py`` (``--check`` fails when either page is out of date).
+Run: ``.venv/bin/python benchmarks/suite.py`` (``--check`` fails when any page is out of date).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpeft.metrics.report import metric_cell
-from fedpeft.metrics.results import format_value
+from fedpeft.metrics.results import format_value, markdown_from_file
 from fedpeft.metrics.summary import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,10 +149,13 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail when a generated page is out of date")
     args = parser.parse_args()
     found, stale = benchmarks(), []
-    for page, block in ((README, render_claims(found)), (RESULTS_README, render(found))):
-        text = page.read_text()
-        updated = _replace_block(text, block)
-        if updated == text:
+    pages = {README: _replace_block(README.read_text(), render_claims(found)),
+             RESULTS_README: _replace_block(RESULTS_README.read_text(), render(found))}
+    for data in found:
+        json_path = RESULTS / f"{data['benchmark']}.json"
+        pages[json_path.with_suffix(".md")] = markdown_from_file(json_path)
+    for page, updated in pages.items():
+        if page.exists() and page.read_text() == updated:
             continue
         stale.append(page.relative_to(ROOT))
         if not args.check:
@@ -159,7 +164,8 @@ def main() -> int:
         for page in stale:
             print(f"{page} is out of date: run python benchmarks/suite.py")
         return 1 if stale else 0
-    print(f"README.md, benchmarks/results/README.md: {len(found)} benchmarks")
+    print(f"README.md, benchmarks/results/README.md and {len(found)} benchmarks' markdown: "
+          f"{len(stale)} page{'s' * (len(stale) != 1)} rewritten")
     return 0
 
 

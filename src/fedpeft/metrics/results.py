@@ -261,9 +261,10 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                   ""]
     target = data["target"]
     if target is not None:
+        comm = any(r.get("communication_seconds_to_target") is not None for r in data["summary"])
         lines += [f"Target (rounds/bytes/time to target): {target}" +
-                  (f"; time simulated at {data['bandwidth']} Mbps down/up plus each client's measured compute "
-                   "(in brackets: the communication alone)" if data["bandwidth"] else ""), ""]
+                  (f"; time simulated at {data['bandwidth']} Mbps down/up plus each client's measured compute" +
+                   " (in brackets: the communication alone)" * comm if data["bandwidth"] else ""), ""]
     lines += ["Values: mean ± std over seeds [95% interval: t over seeds; one seed: binomial from the eval size]. "
               "'within noise': the final interval overlaps the best method's in the same cell.", ""]
     ceilings = {r["task"]: r for r in data["ceilings"]}
@@ -318,11 +319,23 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         lines.append("")
     if data["missing_runs"]:
         lines += [f"Not finished (left out), {len(data['missing_runs'])} runs:", "",
-                  *(f"- {line}" for line in data["missing_cells"]), ""]
+                  *(f"- {line}" for line in data.get("missing_cells") or data["missing_runs"]), ""]  # older files
     for note in data["notes"]:
         lines += [note.strip(), ""]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
     return "\n".join(lines) + "\n"
+
+
+FIGURES = ("curves", "tradeoff", "partitions")
+"""The figures a sweep writes beside its results, ``NAME_<kind>.png``, in the order the markdown shows them."""
+
+
+def markdown_from_file(path: Path) -> str:
+    """``NAME.md`` rendered again from ``NAME.json`` (``path``) and the figures beside it: the markdown is a
+    function of the results file, so a change in how results print reaches every committed benchmark
+    without its runs (``benchmarks/suite.py`` rewrites them all)."""
+    figures = [f for kind in FIGURES if (f := path.with_name(f"{path.stem}_{kind}.png")).exists()]
+    return markdown(json.loads(path.read_text()), figures)
 
 
 def _fmt_opt(value: float | None) -> str:
@@ -429,7 +442,7 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
         ax.set_visible(False)
     _footer(fig, command, "bands: 95% intervals" if most <= CROWDED else
             "lines: mean over seeds; with this many methods the intervals are in the table and the tradeoff figure")
-    curves = folder / f"{name}_curves.png"
+    curves = folder / f"{name}_{FIGURES[0]}.png"
     fig.savefig(curves, dpi=110)
     plt.close(fig)
 
@@ -450,10 +463,10 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
         ax.grid(alpha=0.3)
         _legend(ax, len(rows) + 1)
     _footer(fig, command)
-    tradeoff = folder / f"{name}_tradeoff.png"
+    tradeoff = folder / f"{name}_{FIGURES[1]}.png"
     fig.savefig(tradeoff, dpi=110)
     plt.close(fig)
-    heterogeneity = _partition_figure(sweep, folder / f"{name}_partitions.png", summary, ceiling, command)
+    heterogeneity = _partition_figure(sweep, folder / f"{name}_{FIGURES[2]}.png", summary, ceiling, command)
     return [curves, tradeoff] + ([heterogeneity] if heterogeneity else [])
 
 
