@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpeft.metrics.report import metric_cell
-from fedpeft.metrics.results import format_value, markdown_from_file
+from fedpeft.metrics.results import format_values, markdown_from_file
 from fedpeft.metrics.summary import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def section(data: dict[str, Any]) -> list[str]:
     for claim in data["claims"]:
         for cell in claim["cells"]:
             where = f"{cell['task']} / {cell['partition']}"
-            values = ", ".join(f"{k} = {format_value(k, v)}" for k, v in cell["values"].items())
+            values = format_values(cell["values"])
             why = f" ({cell['why']})" if cell["why"] else ""
             paired = cell.get("paired")
             same_seeds = f"; same seeds: **{paired['verdict']}**, {paired['gap']}" if paired else ""
@@ -111,7 +111,7 @@ def claims_table(data: dict[str, Any]) -> list[str]:
              "| claim | source | cell | verdict | same seeds | values |", "|---|---|---|---|---|---|"]
     for claim in data["claims"]:
         for cell in claim["cells"]:
-            values = ", ".join(f"{k} = {format_value(k, v)}" for k, v in cell["values"].items()) or "-"
+            values = format_values(cell["values"]) or "-"
             why = f"; {cell['why']}" if cell["why"] else ""
             paired = cell.get("paired")
             same_seeds = f"**{paired['verdict']}** ({paired['gap']})" if paired else "-"

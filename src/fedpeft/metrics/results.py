@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 
 from fedpeft.claims import (
     CEILING_FRACTION,
+    QUANTITIES,
     Judgement,
     Lookup,
     Missing,
@@ -309,7 +310,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         for claim in data["claims"]:
             for cell in claim["cells"] or [{"task": "-", "partition": "-", "verdict": "not reached", "values": {},
                                             "why": "no cell has results"}]:
-                values = ", ".join(f"{k} = {format_value(k, v)}" for k, v in cell["values"].items())
+                values = format_values(cell["values"])
                 why = f" ({cell['why']})" if cell["why"] else ""
                 paired = cell.get("paired")
                 same_seeds = f"**{paired['verdict']}** ({paired['why']})" if paired else "-"
@@ -354,15 +355,19 @@ def _fmt_seconds(value: float | None) -> str:
     return f"{value:.0f} s" if value < 120 else f"{value / 60:.1f} min"
 
 
-BYTE_QUANTITIES = ("uplink", "downlink", "last_uplink", "total_bytes", "bytes_to_target")
-
-
 def format_value(reference: str, value: float) -> str:
     """A value a claim read (``reference``: ``METHOD.QUANTITY``), as the results pages print it: bytes
-    in KB/MB, anything else (metrics, seconds, FLOPs) to 4 significant digits."""
-    if reference.rsplit(".", 1)[-1] in BYTE_QUANTITIES:
+    (a quantity whose results field counts bytes) in KB/MB, anything else (metrics, seconds, FLOPs) to
+    4 significant digits."""
+    quantity = reference.rsplit(".", 1)[-1]
+    if "bytes" in QUANTITIES.get(quantity, quantity):
         return human_bytes(value)
     return f"{value:.4g}"
+
+
+def format_values(values: Mapping[str, float]) -> str:
+    """A claim cell's values, ``METHOD.QUANTITY = value`` each, as every results page lists them."""
+    return ", ".join(f"{k} = {format_value(k, v)}" for k, v in values.items())
 
 
 FOOTER_POINTS = 7
