@@ -153,7 +153,7 @@ def main() -> int:
              RESULTS_README: _replace_block(RESULTS_README.read_text(), render(found))}
     for data in found:
         json_path = RESULTS / f"{data['benchmark']}.json"
-        pages[json_path.with_suffix(".md")] = markdown_from_file(json_path)
+        pages[json_path.with_suffix(".md")] = markdown_from_file(json_path, data)
     for page, updated in pages.items():
         if page.exists() and page.read_text() == updated:
             continue

@@ -16,6 +16,7 @@ from fedpeft.config import build_config
 from fedpeft.engines.local import LocalEngine
 from fedpeft.experiment import prepare
 from fedpeft.metrics.compare import Bandwidth, load_run, run_row
+from fedpeft.metrics.report import log_ticks
 from tests.conftest import tiny_raw_config
 
 
@@ -186,3 +187,10 @@ def test_method_values_split_scalars_families_and_matrices(tmp_path: Path) -> No
     assert set(values.families) == {"per_matrix"} and len(values.families["per_matrix"]) == MAX_LINES + 1
     assert values.families["per_matrix"]["layer2.lora_B"] == [(1, 0.2), (2, 0.2)]
     assert values.matrices == {"scores": (2, [[1.0, 2.0], [3.0, 4.0]])}  # the last round's
+
+
+def test_log_ticks_are_round_and_spread() -> None:
+    assert log_ticks(55e3, 700e3) == [1e5, 2e5, 5e5]  # 1-2-5 within a decade and a bit
+    assert log_ticks(370e3, 930e3) == [5e5, 7e5]  # under a decade: 800 and 900 KB would touch
+    assert log_ticks(1e3, 1e6) == [1e3, 1e4, 1e5, 1e6]  # several decades: powers of ten only
+    assert log_ticks(370e3, 380e3) == []  # no round value in range: matplotlib's ticks stay

@@ -15,9 +15,11 @@ import base64
 import html
 import io
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from fedpeft.metrics.compare import NOT_FRACTIONS, Bandwidth, Run, time_axis
 from fedpeft.metrics.stats import estimate
@@ -43,8 +45,32 @@ class Plot:
     png: bytes
 
 
-def _bytes_axis(ax: Any) -> None:
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
+def bytes_axis(ax: Any) -> None:
+    """Byte ticks ('200 KB') on the x axis, called once the data are drawn. On a log scale the labelled
+    ticks are :func:`log_ticks` of the drawn range and the minor ticks go unlabelled: matplotlib's own
+    labels ('3x10^5', or every 100 KB when the range is under a decade) run into each other."""
+    if ax.get_xscale() == "log":
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        if ticks := log_ticks(*ax.get_xlim()):  # none: a range too narrow for a round value, keep matplotlib's
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".00 ", " ")))
+
+
+def log_ticks(low: float, high: float, min_gap: float = 0.15) -> list[float]:
+    """Round tick values for a log axis over [low, high]: the finest of 1, 1-2-5, 1-2-3-5-7 and 1..9
+    times a power of ten whose neighbouring ticks stay ``min_gap`` of the axis apart (so their labels
+    do not touch), stopping once four ticks are in range."""
+    span = math.log10(high / low)
+    chosen: list[float] = []
+    for mantissas in ((1,), (1, 2, 5), (1, 2, 3, 5, 7), tuple(range(1, 10))):
+        ticks = [m * 10.0 ** k for k in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+                 for m in mantissas if low <= m * 10.0 ** k <= high]
+        if any(math.log10(b / a) < min_gap * span for a, b in pairwise(ticks)):
+            break
+        chosen = ticks
+        if len(ticks) >= 4:
+            break
+    return chosen
 
 
 def _seconds_label(seconds: float) -> str:
@@ -122,7 +148,7 @@ def curve_plots(runs: Sequence[Run], out_dir: Path, bandwidth: Bandwidth | None)
         points = [(r, v) for r, v in run.curve(metric) if r["round"] > 0]
         ax.plot([r["cum_bytes_up"] for r, _ in points], [v for _, v in points], marker="o", ms=3, label=run.name)
     ax.set_xscale("symlog" if len(federated) == 1 else "log")
-    _bytes_axis(ax)
+    bytes_axis(ax)
     ax.set(xlabel="cumulative uplink bytes (all clients)", ylabel=metric, title=f"{metric} vs uplink bytes")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

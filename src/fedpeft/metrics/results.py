@@ -34,7 +34,7 @@ from fedpeft.claims import (
     row_interval,
 )
 from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
-from fedpeft.metrics.report import band, metric_cell
+from fedpeft.metrics.report import band, bytes_axis, metric_cell
 from fedpeft.metrics.summary import human_bytes
 from fedpeft.records import write_records
 from fedpeft.sweep import Sweep, SweepRun
@@ -331,12 +331,13 @@ FIGURES = ("curves", "tradeoff", "partitions")
 """The figures a sweep writes beside its results, ``NAME_<kind>.png``, in the order the markdown shows them."""
 
 
-def markdown_from_file(path: Path) -> str:
-    """``NAME.md`` rendered again from ``NAME.json`` (``path``) and the figures beside it: the markdown is a
-    function of the results file, so a change in how results print reaches every committed benchmark
-    without its runs (``benchmarks/suite.py`` rewrites them all)."""
+def markdown_from_file(path: Path, data: dict[str, Any] | None = None) -> str:
+    """``NAME.md`` rendered again from ``NAME.json`` (``path``; ``data``: its contents when the caller
+    has read them already) and the figures beside it: the markdown is a function of the results file,
+    so a change in how results print reaches every committed benchmark without its runs
+    (``benchmarks/suite.py`` rewrites them all)."""
     figures = [f for kind in FIGURES if (f := path.with_name(f"{path.stem}_{kind}.png")).exists()]
-    return markdown(json.loads(path.read_text()), figures)
+    return markdown(json.loads(path.read_text()) if data is None else data, figures)
 
 
 def _fmt_opt(value: float | None) -> str:
@@ -464,6 +465,7 @@ def _figures(sweep: Sweep, folder: Path, name: str, summary: Sequence[dict[str, 
         if ceiling.get(task) is not None:
             ax.axhline(ceiling[task], linestyle="--", color="black", linewidth=1, label="centralised")
         ax.set_xscale("log")
+        bytes_axis(ax)
         ax.set(title=_cell_title(task, partition), xlabel="uplink bytes / client / round", ylabel="final metric")
         ax.grid(alpha=0.3)
         _legend(ax, len(rows) + 1)
