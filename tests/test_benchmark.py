@@ -87,6 +87,39 @@ def test_ceiling_config_applies_to_the_ceiling_over_tuned_values(tmp_path: Path)
         expand({**spec, "ceiling": {**spec["ceiling"], "config": {"client": {"lr": -1}}}})
 
 
+def test_inherit_runs_a_method_at_another_methods_tuned_values(tmp_path: Path) -> None:
+    """``tune.inherit``: an arm that only adds a setting (DP noise, here a gradient clip) runs at its twin's
+    tuned values, with no tune of its own, and keeps its own settings; a name that is not a method, an arm
+    that also has its own space or is skipped, and a source that is not tuned itself are refused before
+    anything runs."""
+    spec = _benchmark(tmp_path)
+    spec["methods"]["lora_dp"] = {"method": "lora", "adapter": {"r": 4, "alpha": 8}, "client": {"grad_clip": 0.5}}
+    spec["tune"] = {**spec["tune"], "inherit": {"lora_dp": "lora"}}
+    sweep = expand(spec)
+    assert set(sweep.tunes) == {"toy_iid_lora", "toy_iid_bitfit"}
+    dp = next(r for r in sweep.runs if r.method == "lora_dp")
+    assert dp.tune_key == "toy_iid_lora"
+    tuned = sweep.tune_dir("toy_iid_lora")
+    tuned.mkdir(parents=True)
+    (tuned / "tune.json").write_text(json.dumps({"best_params": {"client.lr": 0.05}}))
+    cfg = build_config(with_tuned(sweep, dp))
+    assert (cfg.client.lr, cfg.client.grad_clip) == (0.05, 0.5)
+    for inherit, message in [({"ghost": "lora"}, r"'ghost' is not one of sweep\.methods"),
+                             ({"lora_dp": "ghost"}, r"'ghost' is not one of sweep\.methods"),
+                             ({"lora_dp": "bitfit", "bitfit": "lora"}, r"inherit\.lora_dp: 'bitfit' is not tuned")]:
+        with pytest.raises(ConfigError, match=message):
+            expand({**spec, "tune": {**spec["tune"], "inherit": inherit}})
+    with pytest.raises(ConfigError, match=r"inherit\.lora_dp: .*neither skipped"):
+        expand({**spec, "tune": {**spec["tune"], "skip": ["lora_dp"]}})
+    # the results page says which tune an inheriting arm ran at
+    from fedpeft.metrics.results import markdown_from_file
+
+    committed = Path(__file__).parents[1] / "benchmarks" / "results" / "flasc.json"
+    data = json.loads(committed.read_text())
+    data["tune"]["inherit"] = {"lora_dp_hi": "lora"}
+    assert "`lora_dp_hi` runs at `lora`'s tuned values." in markdown_from_file(committed, data)
+
+
 def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: Path) -> None:
     """``--only`` runs one part of a benchmark: the runs named, the tunes they wait for (a method left out
     is not tuned) and the ceiling of each task kept (so their claims can be judged); a name the file does

@@ -31,9 +31,10 @@ runs the partition's participation), then the tuned values, then the seed. With 
 method is tuned once per task (``per: task``, on ``tune.partition`` or the first partition) or
 once per cell (``per: cell``) with ``tune.trials`` trials on a validation split carved from the
 training data, and every run of the benchmark, tuned or not, trains without that split, so all
-methods see the same examples. Runs are subprocesses (``--workers`` at a time); finished runs
-and tunes are skipped and interrupted ones resumed, so a stopped benchmark continues where it
-stopped.
+methods see the same examples. ``tune.skip`` runs methods as configured; ``tune.inherit`` (method ->
+method) runs one at another's tuned values (a DP arm at its non-private twin's). Runs are
+subprocesses (``--workers`` at a time); finished runs and tunes are skipped and interrupted ones
+resumed, so a stopped benchmark continues where it stopped.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class TuneBlock(_Strict):
     space: dict[str, Any] | None = None  # one space for every method (default: each recipe's own)
     spaces: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per method name
     skip: list[str] = Field(default_factory=list)  # methods run as configured (e.g. a paper's fixed values)
+    # method -> the method whose tuned values it runs at: an arm that only adds a setting the tune
+    # cannot see coming (DP noise on top of a tuned twin), at the cost of one tune, not one per arm
+    inherit: dict[str, str] = Field(default_factory=dict)
     # trial 0 at each method's own values (`fedpeft tune --include-defaults`); off, as the committed
     # benchmarks' tunes ran, so they re-draw the same trials from a clean clone
     include_defaults: bool = False
@@ -281,9 +285,16 @@ def _check_names(spec: SweepFile) -> None:
         if claim.baseline is not None and claim.baseline not in known:
             raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")
     if spec.tune is not None:
-        for name in [*spec.tune.skip, *spec.tune.spaces]:
+        for name in [*spec.tune.skip, *spec.tune.spaces, *spec.tune.inherit, *spec.tune.inherit.values()]:
             if name not in known:
                 raise ConfigError("sweep.tune", f"{name!r} is not one of sweep.methods")
+        for name, source in spec.tune.inherit.items():
+            if name in spec.tune.skip or name in spec.tune.spaces:
+                raise ConfigError(f"sweep.tune.inherit.{name}", "a method that inherits tuned values is neither "
+                                  "skipped nor given its own space")
+            if source in spec.tune.inherit or source in spec.tune.skip:
+                raise ConfigError(f"sweep.tune.inherit.{name}", f"{source!r} is not tuned itself (skipped or "
+                                  "inheriting)")
         if spec.tune.partition is not None and spec.tune.partition not in spec.partitions:
             raise ConfigError("sweep.tune.partition", f"{spec.tune.partition!r} is not one of sweep.partitions")
 
@@ -302,6 +313,7 @@ def _tune_key(sweep: Sweep, task: str, method: str, partition: str) -> str | Non
     tune = sweep.spec.tune
     if tune is None or method in tune.skip:
         return None
+    method = tune.inherit.get(method, method)
     tuned_on = partition if tune.per == "cell" else tune.partition or next(iter(sweep.spec.partitions), "")
     key = "_".join(part for part in (task, tuned_on, method) if part)
     if key not in sweep.tunes:

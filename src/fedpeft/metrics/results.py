@@ -258,7 +258,9 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         lines += [f"Tuning: every method got the same budget, {tune['trials']} trials of `fedpeft tune` "
                   f"(TPE, {tune['pruner']} pruning, seed {tune['seed']}) per {tune['per']}, on a validation split of "
                   f"{tune['validation_fraction']:.0%} of the training data (never the eval split); every run then "
-                  "trains without that split." + (f" Not tuned: {', '.join(tune['skip'])}." if tune["skip"] else ""),
+                  "trains without that split." + (f" Not tuned: {', '.join(tune['skip'])}." if tune["skip"] else "")
+                  + "".join(f" `{name}` runs at `{source}`'s tuned values." for name, source in
+                            tune.get("inherit", {}).items()),
                   ""]
     target = data["target"]
     if target is not None:
