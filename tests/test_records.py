@@ -101,3 +101,46 @@ def test_a_malformed_records_file_names_its_line(tmp_path: Path) -> None:
         handle.write(json.dumps({"tune": "a", "files": {}}) + "\n" + "not json\n")
     with pytest.raises(ConfigError, match="line 2 is not a run or tune record"):
         read_records(path)
+
+
+def test_an_unfinished_tune_keeps_its_finished_trials_across_a_fresh_clone(tmp_path: Path) -> None:
+    """A session stopped mid-tune commits its study; a fresh clone restores it (where the tune the file asks
+    for is unchanged) and the tune goes on from the trials that finished instead of starting over."""
+    import shutil
+
+    from fedpeft.sweep import tune_fingerprint
+    from fedpeft.tune import saved_fingerprint, tune
+
+    spec = _benchmark(tmp_path)
+    spec["tune"] = {"trials": 2, "pruner": "none", "validation_fraction": 0.2}
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    sweep = load_sweep(path)
+    key, folder = "toy_iid_lora", sweep.tune_dir("toy_iid_lora")
+    options = {"seed": 0, "pruner": "none", "validation_fraction": 0.2}
+    tune(sweep.tunes[key].raw, folder, 1, **options)  # one trial of the file's two: then the session stopped
+    for name in ("tune.json", "best.yaml", "trials.csv"):
+        (folder / name).unlink()
+    assert saved_fingerprint(folder / "study.db") == tune_fingerprint(sweep, key)
+    tunes, _ = read_records(write_records(sweep))
+    assert set(tunes) == {key} and set(tunes[key]) == {"study.db"}
+
+    shutil.rmtree(tmp_path / "runs")  # a fresh clone
+    said: list[str] = []
+    restore_records(load_sweep(path), said.append)
+    assert said == [f"restored 1 unfinished tune(s) from {records_path(sweep)}: their finished trials count"]
+    result = tune(sweep.tunes[key].raw, folder, 2, **options)
+    assert result.trials == 2  # trial 0 came back finished; only trial 1 ran
+    assert not (folder / "trials" / "000").exists() and (folder / "trials" / "001").exists()
+
+    # the file's tune changes: the recorded study is not that tune's, so it is named and the tune starts over
+    for name in ("tune.json", "best.yaml", "trials.csv"):
+        (folder / name).unlink()
+    write_records(sweep)
+    shutil.rmtree(tmp_path / "runs")
+    spec["tune"]["seed"] = 1
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    said.clear()
+    restore_records(load_sweep(path), said.append)
+    assert not (folder / "study.db").exists()
+    assert said == [f"not restored, runs again: tune {key} (the tune's config, space, seed or pruner changed since)"]

@@ -15,12 +15,21 @@ match the config the file gives now field for field (the resume fingerprint: eve
 ``rounds``, ``output`` and where it computes) and run the same number of rounds. A record that no
 longer matches (the file or a recipe's defaults changed) stays out, is named, and its run runs
 again. Checkpoints are not kept, so a restored run can be reported but not resumed further.
+
+A tune that has not finished keeps its Optuna study (``study.db``, a consistent SQLite snapshot,
+base64): a session stopped in the middle of an hour-long tune commits the trials it finished, and
+the next one restores the study (where its fingerprint is still the tune's the file gives now) and
+goes on from there, losing only the trial that was running.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import gzip
 import json
+import sqlite3
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +45,8 @@ from fedpeft.metrics.recorder import (
     resume_differences,
     saved_config,
 )
-from fedpeft.sweep import Sweep, SweepRun, finished, with_tuned
+from fedpeft.sweep import Sweep, SweepRun, finished, tune_fingerprint, with_tuned
+from fedpeft.tune import saved_fingerprint
 
 RUN_FILES = (CONFIG, METRICS, PARTITION, SUMMARY)
 """What a finished run leaves besides its checkpoint; everything a benchmark's report reads. Restored in
@@ -45,6 +55,9 @@ short leaves a run in progress (it runs again), never a finished run with files 
 
 TUNE_FILES = ("tune.json", "best.yaml", "trials.csv")
 """What a finished tune leaves that a sweep reads (its choice) or a reader checks (every trial)."""
+
+STUDY = "study.db"
+"""An unfinished tune's Optuna storage: its record holds this file only, base64."""
 
 
 def records_path(sweep: Sweep) -> Path:
@@ -58,14 +71,35 @@ def _files(folder: Path, names: tuple[str, ...]) -> dict[str, str]:
 def write_records(sweep: Sweep) -> Path:
     """Write the records of every finished run and tune of ``sweep`` (one JSON line each, gzip without a
     timestamp, so the same records give the same bytes)."""
-    lines = [{"tune": key, "files": _files(sweep.tune_dir(key), TUNE_FILES)}
-             for key in sorted(sweep.tunes) if (sweep.tune_dir(key) / "tune.json").is_file()]
+    lines = []
+    for key in sorted(sweep.tunes):
+        folder = sweep.tune_dir(key)
+        if (folder / "tune.json").is_file():
+            lines.append({"tune": key, "files": _files(folder, TUNE_FILES)})
+        elif (folder / STUDY).is_file() and (study := _study_snapshot(folder / STUDY)) is not None:
+            lines.append({"tune": key, "files": {STUDY: study}})
     lines += [{"run": run.name, "files": _files(run.run_dir, RUN_FILES)} for run in sweep.runs if finished(run.run_dir)]
     payload = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines).encode()
     path = records_path(sweep)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, gzip.compress(payload, mtime=0))
     return path
+
+
+def _study_snapshot(path: Path) -> str | None:
+    """A consistent copy of a study (its tune may be writing it), base64; None when no trial has finished."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / STUDY
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as source, \
+                contextlib.closing(sqlite3.connect(copy)) as target:
+            try:
+                done = source.execute("SELECT COUNT(*) FROM trials WHERE state != 'RUNNING'").fetchone()[0]
+            except sqlite3.DatabaseError:
+                return None  # not a study yet
+            if not done:
+                return None
+            source.backup(target)
+        return base64.b64encode(copy.read_bytes()).decode()
 
 
 def read_records(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, str]]]:
@@ -97,10 +131,25 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     folders, where they still match the sweep file; return how many runs came back. Tunes come back
     first (a run's config includes what its tune chose); a tune is kept on disk, never overwritten."""
     tunes, runs = read_records(records_path(sweep))
+    studies, stale = 0, []
     for key in sweep.tunes:
-        if key in tunes and not (sweep.tune_dir(key) / "tune.json").is_file():
-            _write(sweep.tune_dir(key), tunes[key], TUNE_FILES[::-1])  # tune.json, the mark, last
-    restored, stale = 0, []
+        folder = sweep.tune_dir(key)
+        files = tunes.get(key)
+        if files is None or (folder / "tune.json").is_file():
+            continue
+        if "tune.json" in files:
+            _write(folder, files, TUNE_FILES[::-1])  # tune.json, the mark, last
+        elif STUDY in files and not (folder / STUDY).exists():  # a study on disk goes on as it is
+            problem = _study_mismatch(sweep, key, files[STUDY])
+            if problem:
+                stale.append(f"tune {key} ({problem})")
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(folder / STUDY, base64.b64decode(files[STUDY]))
+            studies += 1
+    if studies:
+        say(f"restored {studies} unfinished tune(s) from {records_path(sweep)}: their finished trials count")
+    restored = 0
     for run in sweep.runs:
         files = runs.get(run.name)
         if files is None or finished(run.run_dir) or (run.run_dir / CONFIG).exists():
@@ -116,6 +165,24 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     for line in stale:
         say(f"not restored, runs again: {line}")
     return restored
+
+
+def _study_mismatch(sweep: Sweep, key: str, study: str) -> str:
+    """Why a recorded study is not the tune the sweep file asks for now ('' when it is)."""
+    try:
+        expected = tune_fingerprint(sweep, key)
+    except ConfigError as err:
+        return str(err)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / STUDY
+        try:
+            path.write_bytes(base64.b64decode(study, validate=True))
+        except ValueError as err:
+            return f"its study is not base64: {err}"
+        saved = saved_fingerprint(path)
+    if saved is None:
+        return "its study has no fingerprint"
+    return "" if saved == expected else "the tune's config, space, seed or pruner changed since"
 
 
 def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:

@@ -369,6 +369,19 @@ def tuned_values(sweep: Sweep, key: str) -> dict[str, Any]:
     return dict(json.loads(path.read_text())["best_params"])
 
 
+def tune_fingerprint(sweep: Sweep, key: str) -> str:
+    """The fingerprint the sweep's tune ``key`` stamps on its study (:func:`fedpeft.tune.study_fingerprint`)."""
+    from fedpeft.tune import parse_space, study_fingerprint
+
+    tune = sweep.spec.tune
+    assert tune is not None
+    job = sweep.tunes[key]
+    space = tune.spaces.get(job.method, tune.space)
+    return study_fingerprint(job.raw, seed=tune.seed, space=None if space is None else parse_space(space, "sweep.tune"),
+                             pruner=tune.pruner, rounds=tune.rounds, validation_fraction=tune.validation_fraction,
+                             prune_after=tune.prune_after, include_defaults=tune.include_defaults)
+
+
 def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
     """The run's raw config with its method's tuned values (tuned values under the seed's)."""
     from fedpeft.tune import set_dotted

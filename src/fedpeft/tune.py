@@ -36,6 +36,7 @@ without it a tune is only as good as its draws.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import hashlib
@@ -260,11 +261,47 @@ def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, pru
                  include_defaults: bool) -> str:
     resolved = build_config(base).model_dump(mode="json")
     resolved.pop("output")
+    resolved["engine"]["device"] = "auto"  # where trials compute is not the study: a CPU tune resumes on a GPU
     blob = {"config": resolved, "space": {k: v.model_dump() for k, v in space.items()}, "seed": seed,
             "pruner": pruner, "prune_after": prune_after}
     if include_defaults:  # only when on, so the studies made before the option still match
         blob["include_defaults"] = True
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _study_setup(raw: dict[str, Any], rounds: int | None, validation_fraction: float | None, space: Space | None,
+                 prune_after: int | None) -> tuple[dict[str, Any], ExperimentConfig, Space, int]:
+    """The trials' config, its space and first judged round, checked: what a study is of."""
+    base = tuning_config(raw, rounds, validation_fraction)
+    cfg = build_config(base)
+    space = space if space is not None else default_space(cfg)
+    check_space(space, base)
+    prune_after = max(1, cfg.rounds // 2) if prune_after is None else prune_after
+    if not 1 <= prune_after <= cfg.rounds:
+        raise ConfigError("--prune-after", f"must be a round from 1 to the trial's {cfg.rounds} rounds, "
+                          f"got {prune_after}")
+    return base, cfg, space, prune_after
+
+
+def study_fingerprint(raw: dict[str, Any], *, seed: int = 0, space: Space | None = None,
+                      pruner: Literal["median", "halving", "none"] = "median", rounds: int | None = None,
+                      validation_fraction: float | None = None, prune_after: int | None = None,
+                      include_defaults: bool = False) -> str:
+    """What :func:`tune` with these arguments stamps on its study (and refuses to resume under another)."""
+    base, _, space, prune_after = _study_setup(raw, rounds, validation_fraction, space, prune_after)
+    return _fingerprint(base, space, seed, pruner, prune_after, include_defaults)
+
+
+def saved_fingerprint(study_db: Path) -> str | None:
+    """The fingerprint a study file was made under (None where it holds no study)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"file:{study_db}?mode=ro", uri=True)) as db:
+        try:
+            row = db.execute("SELECT value_json FROM study_user_attributes WHERE key = 'fingerprint'").fetchone()
+        except sqlite3.DatabaseError:
+            return None
+    return None if row is None else str(json.loads(row[0]))
 
 
 def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, space: Space | None = None,
@@ -284,14 +321,7 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
     console = console or Console()
     if trials < 1:
         raise ConfigError("--trials", f"must be at least 1, got {trials}")
-    base = tuning_config(raw, rounds, validation_fraction)
-    cfg = build_config(base)
-    space = space if space is not None else default_space(cfg)
-    check_space(space, base)
-    prune_after = max(1, cfg.rounds // 2) if prune_after is None else prune_after
-    if not 1 <= prune_after <= cfg.rounds:
-        raise ConfigError("--prune-after", f"must be a round from 1 to the trial's {cfg.rounds} rounds, "
-                          f"got {prune_after}")
+    base, cfg, space, prune_after = _study_setup(raw, rounds, validation_fraction, space, prune_after)
     tune_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(base, space, seed, pruner, prune_after, include_defaults)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
