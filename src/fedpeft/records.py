@@ -140,12 +140,17 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
         if "tune.json" in files:
             _write(folder, files, TUNE_FILES[::-1])  # tune.json, the mark, last
         elif STUDY in files and not (folder / STUDY).exists():  # a study on disk goes on as it is
-            problem = _study_mismatch(sweep, key, files[STUDY])
+            try:
+                study = base64.b64decode(files[STUDY], validate=True)
+            except ValueError as err:
+                stale.append(f"tune {key} (its study is not base64: {err})")
+                continue
+            problem = _study_mismatch(sweep, key, study)
             if problem:
                 stale.append(f"tune {key} ({problem})")
                 continue
             folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(folder / STUDY, base64.b64decode(files[STUDY]))
+            atomic_write_bytes(folder / STUDY, study)
             studies += 1
     if studies:
         say(f"restored {studies} unfinished tune(s) from {records_path(sweep)}: their finished trials count")
@@ -167,18 +172,15 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     return restored
 
 
-def _study_mismatch(sweep: Sweep, key: str, study: str) -> str:
-    """Why a recorded study is not the tune the sweep file asks for now ('' when it is)."""
+def _study_mismatch(sweep: Sweep, key: str, study: bytes) -> str:
+    """Why a recorded study (the SQLite file's bytes) is not the tune the sweep file asks for now ('' when it is)."""
     try:
         expected = tune_fingerprint(sweep, key)
     except ConfigError as err:
         return str(err)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / STUDY
-        try:
-            path.write_bytes(base64.b64decode(study, validate=True))
-        except ValueError as err:
-            return f"its study is not base64: {err}"
+        path.write_bytes(study)
         saved = saved_fingerprint(path)
     if saved is None:
         return "its study has no fingerprint"
