@@ -210,6 +210,10 @@ def test_missing_cells_say_what_is_left_in_a_line_per_task(tmp_path: Path) -> No
     done -= {"toy_centralized_lora_seed0"}
     missing = [run.name for run in sweep.runs if run.name not in done and run.task == "toy"]
     assert missing_cells(sweep, missing) == ["toy (4 of 13 runs): skew: bitfit, seeds 0, 1, 2; the ceiling (seed 0)"]
+    done -= {"toy_skew_lora_seed1", "toy_skew_lora_seed2"}  # two methods in one cell, missing different seeds
+    missing = [run.name for run in sweep.runs if run.name not in done and run.task == "toy"]
+    assert missing_cells(sweep, missing) == [
+        "toy (6 of 13 runs): skew: lora, seeds 1, 2 and bitfit, seeds 0, 1, 2; the ceiling (seed 0)"]
     assert missing_cells(sweep, []) == []
 
 
@@ -240,7 +244,7 @@ def test_partition_figure_reads_the_summary_in_the_files_partition_order(tmp_pat
 @pytest.mark.slow
 def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     from fedpeft.cli import main
-    from fedpeft.metrics.results import markdown_from_file
+    from fedpeft.metrics.results import markdown_from_file, refuse_fewer_runs
 
     path = tmp_path / "toy.yaml"
     spec = _benchmark(tmp_path)
@@ -286,9 +290,21 @@ def test_benchmark_runs_and_writes_verdicts(tmp_path: Path) -> None:
     assert markdown_from_file(tmp_path / "results" / "toy.json") == md
     # finished work is skipped: a second call only rewrites the results
     assert main(["sweep", str(path)]) == 0
-    # --report-only runs nothing: an unfinished run is listed as such and stays unfinished
+    # results that would drop a run the committed ones report as finished are refused, before anything is
+    # written or run, unless that run is about to run again (--only) or the user allows fewer runs
     (tmp_path / "runs" / "toy_iid_bitfit_seed1" / "summary.json").unlink()
-    assert main(["sweep", str(path), "--report-only"]) == 0
+    before = (tmp_path / "results" / "toy.json").read_text()
+    for argv in (["--report-only"], ["--only", "method=lora"]):
+        assert main(["sweep", str(path), *argv]) == 2
+        assert (tmp_path / "results" / "toy.json").read_text() == before
+    assert not (tmp_path / "runs" / "toy_iid_bitfit_seed1" / "summary.json").exists()
+    sweep = load_sweep(path)
+    with pytest.raises(ConfigError, match=r"toy\.json: reports 1 finished run that is not here .*toy/iid/bitfit "
+                                          r"seed 1.*--allow-fewer-runs"):
+        refuse_fewer_runs(sweep)
+    refuse_fewer_runs(sweep, running=[run for run in sweep.runs if run.name == "toy_iid_bitfit_seed1"])
+    # --report-only runs nothing: an unfinished run is listed as such and stays unfinished
+    assert main(["sweep", str(path), "--report-only", "--allow-fewer-runs"]) == 0
     partial = json.loads((tmp_path / "results" / "toy.json").read_text())
     assert partial["missing_runs"] == ["toy_iid_bitfit_seed1"] and len(partial["rows"]) == 3
     assert partial["claims"][0]["cells"][0]["paired"] is None  # one seed in common: no interval of gaps

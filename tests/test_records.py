@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fedpeft.config import ConfigError
-from fedpeft.records import read_records, records_path, restore_records, write_records
+from fedpeft.records import read_records, records_path, restore_records, stale_runs, write_records
 from fedpeft.sweep import load_sweep
 from tests.test_benchmark import _benchmark
 
@@ -62,7 +62,9 @@ def test_results_come_back_from_the_records_and_stale_records_run_again(tmp_path
     assert restore_records(load_sweep(path), said.append) == 3  # lora's two seeds and its ceiling
     assert said[0].startswith("restored 3 finished run(s)")
     assert any("toy_iid_bitfit_seed0 (client.lr (" in line and "0.0123 given)" in line for line in said[1:])
-    # so `--report-only` lists bitfit as not run, and a sweep would run it again
+    # so `--report-only` lists bitfit as not run (a stale result is no loss: no --allow-fewer-runs needed),
+    # and a sweep would run it again
+    assert stale_runs(load_sweep(path)) == {"toy_iid_bitfit_seed0", "toy_iid_bitfit_seed1"}
     assert main(["sweep", str(path), "--report-only"]) == 0
     assert sorted(_results(tmp_path)["missing_runs"]) == ["toy_iid_bitfit_seed0", "toy_iid_bitfit_seed1"]
 

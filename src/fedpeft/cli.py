@@ -176,14 +176,16 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     only = parse_only(args.only)
     if args.device is not None:
         _check_device(args.device)
-    if args.report_only:
-        sweep = load_sweep(Path(args.sweep))
-        restrict(sweep, only)  # a misspelt --only fails here too
-        if sweep.is_benchmark:
-            from fedpeft.records import restore_records
+    sweep = load_sweep(Path(args.sweep))
+    selected = restrict(sweep, only)  # a misspelt --only fails here, before anything runs
+    if sweep.is_benchmark:
+        from fedpeft.metrics.results import refuse_fewer_runs
+        from fedpeft.records import restore_records
 
-            restore_records(sweep, console.print)
-    else:
+        restore_records(sweep, console.print)
+        if not args.allow_fewer_runs:  # refused before hours of runs, not at the report after them
+            refuse_fewer_runs(sweep, running=() if args.report_only else selected.runs)
+    if not args.report_only:
         sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print,
                           only=only, device=args.device)
     if sweep.is_benchmark:
@@ -192,7 +194,7 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
         command = " ".join(["fedpeft sweep", args.sweep, *(["--workers", str(args.workers)] if args.workers > 1
                                                            else []), *(f"--only {item}" for item in args.only),
                             *(["--device", args.device] if args.device else [])])
-        for path in write_results(sweep, command).values():
+        for path in write_results(sweep, command, allow_fewer=args.allow_fewer_runs).values():
             console.print(f"wrote {path}")
         return 0
     dirs = [str(run.run_dir) for run in sweep.runs if (run.run_dir / "metrics.jsonl").exists()]
@@ -465,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                        help="run only these cells (KEY: task, method, partition or seed; repeatable): a large "
                             "benchmark one part at a time; the results cover every run finished so far")
+    sweep.add_argument("--allow-fewer-runs", action="store_true",
+                       help="write a benchmark's results even where the committed ones report runs that are not "
+                            "finished here (no run folder, no record): they drop out of the results")
     _add_report_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
     _add_deploy_parser(sub)

@@ -172,6 +172,12 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     return restored
 
 
+def stale_runs(sweep: Sweep) -> set[str]:
+    """Names of ``sweep``'s runs whose record no longer matches the run the file asks for (never restored)."""
+    runs = read_records(records_path(sweep))[1]
+    return {run.name for run in sweep.runs if run.name in runs and _mismatch(sweep, run, runs[run.name])}
+
+
 def _study_mismatch(sweep: Sweep, key: str, study: bytes) -> str:
     """Why a recorded study (the SQLite file's bytes) is not the tune the sweep file asks for now ('' when it is)."""
     try:

@@ -33,10 +33,11 @@ from fedpeft.claims import (
     references,
     row_interval,
 )
+from fedpeft.config import ConfigError
 from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
 from fedpeft.metrics.report import band, bytes_axis, metric_cell
 from fedpeft.metrics.summary import human_bytes
-from fedpeft.records import write_records
+from fedpeft.records import stale_runs, write_records
 from fedpeft.sweep import Sweep, SweepRun
 
 SPEC_FIELDS = ("task", "partition", "method", "recipe", "seed", "rounds", "clients", "clients_per_round", "metric",
@@ -192,9 +193,15 @@ def missing_cells(sweep: Sweep, missing: Sequence[str]) -> list[str]:
             cell = [run for run in runs if run.partition == partition and not run.ceiling]
             if not (lost := [run for run in absent if run.partition == partition and not run.ceiling]):
                 continue
-            methods = list(dict.fromkeys(run.method for run in lost))
-            what = "every method" if len(lost) == len(cell) else ", ".join(methods)
-            gaps.setdefault(f"{what}, {_seeds({run.seed for run in lost})}", []).append(partition or "-")
+            if len(lost) == len(cell):
+                gap = f"every method, {_seeds({run.seed for run in lost})}"
+            else:  # methods missing the same seeds together, in the file's order
+                by_seeds: dict[frozenset[int], list[str]] = {}
+                for method in dict.fromkeys(run.method for run in cell):
+                    if seeds := frozenset(run.seed for run in lost if run.method == method):
+                        by_seeds.setdefault(seeds, []).append(method)
+                gap = " and ".join(f"{', '.join(methods)}, {_seeds(set(seeds))}" for seeds, methods in by_seeds.items())
+            gaps.setdefault(gap, []).append(partition or "-")
         parts = [f"{', '.join(partitions)}: {gap}" for gap, partitions in gaps.items()]
         if ceilings := {run.seed for run in absent if run.ceiling}:
             parts.append(f"the ceiling ({_seeds(ceilings)})")
@@ -202,13 +209,56 @@ def missing_cells(sweep: Sweep, missing: Sequence[str]) -> list[str]:
     return lines
 
 
-def write_results(sweep: Sweep, command: str) -> dict[str, Path]:
+def _run_keys(rows: Sequence[dict[str, Any]], ceilings: Sequence[dict[str, Any]]) -> set[tuple[Any, ...]]:
+    """(task, partition, method, seed) of every finished run: ``rows`` one per seed (:func:`collect`'s, or a
+    results file's), ``ceilings`` a results file's, one per seed list."""
+    keys = {(r["task"], r["partition"], r["method"], r["seed"]) for r in rows}
+    return keys | {(c["task"], c["partition"], c["method"], seed) for c in ceilings for seed in c.get("seeds", [])}
+
+
+def dropped_runs(path: Path, rows: Sequence[dict[str, Any]], ceiling_rows: Sequence[dict[str, Any]],
+                 running: Sequence[SweepRun] = ()) -> list[str]:
+    """The runs the results at ``path`` report as finished that are not finished here nor about to run
+    (``running``): a benchmark run before it kept records, reported on a fresh clone, or one cell of it run
+    there, would otherwise overwrite committed evidence with less."""
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    gone = _run_keys(old.get("rows", []), old.get("ceilings", [])) - _run_keys([*rows, *ceiling_rows], [])
+    gone -= {(run.task, run.partition, run.method, run.seed) for run in running}
+    return [f"{task}/{partition or '-'}/{method} seed {seed}"
+            for task, partition, method, seed in sorted(gone, key=str)]
+
+
+def refuse_fewer_runs(sweep: Sweep, rows: Sequence[dict[str, Any]] | None = None,
+                      ceiling_rows: Sequence[dict[str, Any]] | None = None, running: Sequence[SweepRun] = ()) -> None:
+    """Raise where the sweep's committed results report a finished run that is neither finished here nor in
+    ``running`` (:func:`dropped_runs`); ``rows``: :func:`collect`'s, read again when not given. A run whose
+    record is here but stale (the file or a recipe changed it, so it was not restored) is no loss: its old
+    result is not the run the file asks for."""
+    if rows is None or ceiling_rows is None:
+        rows, ceiling_rows, _ = collect(sweep)
+    path = sweep.results_dir() / f"{sweep.spec.name or 'benchmark'}.json"
+    stale = stale_runs(sweep)
+    if gone := dropped_runs(path, rows, ceiling_rows, [*running, *(r for r in sweep.runs if r.name in stale)]):
+        raise ConfigError(str(path), (
+            f"reports {len(gone)} finished run{'s' * (len(gone) != 1)} that {'are' if len(gone) != 1 else 'is'} "
+            f"not here (no run folder, no record: {', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}); "
+            "writing would drop them from the committed results. Restore their run folders, or run them "
+            "again, or pass --allow-fewer-runs to write the smaller results"))
+
+
+def write_results(sweep: Sweep, command: str, allow_fewer: bool = False) -> dict[str, Path]:
     """Write ``NAME.json``, ``NAME.md``, the figures and the run records (:mod:`fedpeft.records`) into the
-    sweep's results folder."""
+    sweep's results folder. Refused, before anything is written, where the results there report a run as
+    finished that is not finished here (no run folder, no record; :func:`dropped_runs`), unless
+    ``allow_fewer``."""
     name = sweep.spec.name or "benchmark"
     folder = sweep.results_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     rows, ceiling_rows, missing = collect(sweep)
+    if not allow_fewer:
+        refuse_fewer_runs(sweep, rows, ceiling_rows)
+    folder.mkdir(parents=True, exist_ok=True)
     summary = aggregate_seeds(rows)
     mark_noise(summary)
     ceilings = aggregate_seeds(ceiling_rows)
