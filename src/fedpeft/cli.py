@@ -176,18 +176,16 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     only = parse_only(args.only)
     if args.device is not None:
         _check_device(args.device)
-    sweep = load_sweep(Path(args.sweep))
-    selected = restrict(sweep, only)  # a misspelt --only fails here, before anything runs
-    if sweep.is_benchmark:
-        from fedpeft.metrics.results import refuse_fewer_runs
-        from fedpeft.records import restore_records
+    if args.report_only:
+        sweep = load_sweep(Path(args.sweep))
+        restrict(sweep, only)  # a misspelt --only fails here too
+        if sweep.is_benchmark:
+            from fedpeft.records import restore_records
 
-        restore_records(sweep, console.print)
-        if not args.allow_fewer_runs:  # refused before hours of runs, not at the report after them
-            refuse_fewer_runs(sweep, running=() if args.report_only else selected.runs)
-    if not args.report_only:
+            restore_records(sweep, console.print)
+    else:
         sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print,
-                          only=only, device=args.device)
+                          only=only, device=args.device, allow_fewer=args.allow_fewer_runs)
     if sweep.is_benchmark:
         from fedpeft.metrics.results import write_results
 

@@ -450,19 +450,24 @@ def _fedpeft(args: list[str], log: Path) -> int:
 
 def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
               say: Callable[[str], None] = print, only: dict[str, set[str]] | None = None,
-              device: str | None = None) -> Sweep:
+              device: str | None = None, allow_fewer: bool = False) -> Sweep:
     """Tune (once per method and task or cell) and run every seed and ceiling, each run once its own tune has
     finished (:func:`schedule`); skip what is done. ``only``: run just those cells (:func:`restrict`); the
     sweep returned is the whole file, so its report covers every run finished so far. ``device``: the
     ``engine.device`` of every tune and run started now (a committed benchmark on a GPU without editing its
     file; each run's summary records where it computed). A benchmark first gets back the committed records
-    of its finished runs (:mod:`fedpeft.records`), so only what is not done runs."""
+    of its finished runs (:mod:`fedpeft.records`), so only what is not done runs; unless ``allow_fewer``, it
+    refuses, before anything runs, where its report would drop a run its committed results report as finished
+    (:func:`fedpeft.metrics.results.refuse_fewer_runs`), not at the report after hours of runs."""
     whole = load_sweep(path)
+    sweep = restrict(whole, only) if only else whole
     if whole.is_benchmark:
+        from fedpeft.metrics.results import refuse_fewer_runs
         from fedpeft.records import restore_records
 
         restore_records(whole, say)
-    sweep = restrict(whole, only) if only else whole
+        if not allow_fewer:
+            refuse_fewer_runs(whole, running=sweep.runs)
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
     extra = ["--data-dir", data_dir] if data_dir else []

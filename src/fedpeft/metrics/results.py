@@ -12,7 +12,7 @@ import json
 import platform
 import statistics
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,18 +216,19 @@ def _run_keys(rows: Sequence[dict[str, Any]], ceilings: Sequence[dict[str, Any]]
     return keys | {(c["task"], c["partition"], c["method"], seed) for c in ceilings for seed in c.get("seeds", [])}
 
 
-def dropped_runs(path: Path, rows: Sequence[dict[str, Any]], ceiling_rows: Sequence[dict[str, Any]],
-                 running: Sequence[SweepRun] = ()) -> list[str]:
-    """The runs the results at ``path`` report as finished that are not finished here nor about to run
-    (``running``): a benchmark run before it kept records, reported on a fresh clone, or one cell of it run
-    there, would otherwise overwrite committed evidence with less."""
+def _sweep_keys(runs: Iterable[SweepRun]) -> set[tuple[Any, ...]]:
+    return {(run.task, run.partition, run.method, run.seed) for run in runs}
+
+
+def dropped_runs(path: Path, rows: Sequence[dict[str, Any]], ceiling_rows: Sequence[dict[str, Any]]
+                 ) -> set[tuple[Any, ...]]:
+    """The runs (:func:`_run_keys`) the results at ``path`` report as finished that are not finished here: a
+    benchmark run before it kept records, reported on a fresh clone, or one cell of it run there, would
+    otherwise overwrite committed evidence with less."""
     if not path.is_file():
-        return []
+        return set()
     old = json.loads(path.read_text())
-    gone = _run_keys(old.get("rows", []), old.get("ceilings", [])) - _run_keys([*rows, *ceiling_rows], [])
-    gone -= {(run.task, run.partition, run.method, run.seed) for run in running}
-    return [f"{task}/{partition or '-'}/{method} seed {seed}"
-            for task, partition, method, seed in sorted(gone, key=str)]
+    return _run_keys(old.get("rows", []), old.get("ceilings", [])) - _run_keys([*rows, *ceiling_rows], [])
 
 
 def refuse_fewer_runs(sweep: Sweep, rows: Sequence[dict[str, Any]] | None = None,
@@ -239,11 +240,16 @@ def refuse_fewer_runs(sweep: Sweep, rows: Sequence[dict[str, Any]] | None = None
     if rows is None or ceiling_rows is None:
         rows, ceiling_rows, _ = collect(sweep)
     path = sweep.results_dir() / f"{sweep.spec.name or 'benchmark'}.json"
-    stale = stale_runs(sweep)
-    if gone := dropped_runs(path, rows, ceiling_rows, [*running, *(r for r in sweep.runs if r.name in stale)]):
+    gone = dropped_runs(path, rows, ceiling_rows) - _sweep_keys(running)
+    if gone:  # checking each record against the file builds every recorded run's config: only when needed
+        stale = stale_runs(sweep)
+        gone -= _sweep_keys(run for run in sweep.runs if run.name in stale)
+    if gone:
+        names = [f"{task}/{partition or '-'}/{method} seed {seed}"
+                 for task, partition, method, seed in sorted(gone, key=str)]
         raise ConfigError(str(path), (
-            f"reports {len(gone)} finished run{'s' * (len(gone) != 1)} that {'are' if len(gone) != 1 else 'is'} "
-            f"not here (no run folder, no record: {', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}); "
+            f"reports {len(names)} finished run{'s' * (len(names) != 1)} that {'are' if len(names) != 1 else 'is'} "
+            f"not here (no run folder, no record: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
             "writing would drop them from the committed results. Restore their run folders, or run them "
             "again, or pass --allow-fewer-runs to write the smaller results"))
 
