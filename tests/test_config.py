@@ -60,6 +60,11 @@ def test_yaml_and_overrides(tmp_path: Path) -> None:
          "exceeds"),
         ({"rounds": -1}, "rounds", "greater than 0"),
         ({"tasks": {}}, "tasks", "unknown field"),
+        # a strategy's own fields are checked with the config, not when a run starts
+        ({"method": "flasc", "strategy": {"dp_delta": 2}}, "strategy.dp_delta", "less than 1"),
+        ({"method": "flasc", "partition": {"num_clients": 100},
+          "strategy": {"clients_per_round": 10, "dp_clip_norm": 0.01, "dp_simulated_cohort": 1000}},
+         "strategy.dp_simulated_cohort", "exceeds the 100 clients"),
     ],
 )
 def test_bad_values_name_the_field(raw: dict, field: str, hint: str) -> None:

@@ -380,9 +380,9 @@ def test_server_dp_epsilon_is_reported_for_any_recipe_on_fedadamw(toy_files: tup
 
     assert records[0]["server_privacy"]["epsilon"] == pytest.approx(dp_fedadam_epsilon(0.8, 2, 4, 1, 1e-5, 3))
     assert summarize(records, "accuracy")["server_dp_epsilon"] == records[0]["server_privacy"]["epsilon"]
-    with pytest.raises(ConfigError, match=r"strategy\.dp_simulated_cohort"):
-        prepare(build_config(flasc_raw(train, eval_, tmp_path / "big", method="lora", dp_clip_norm=0.05,
-                                       dp_noise_multiplier=0.8, dp_simulated_cohort=5)))
+    with pytest.raises(ConfigError, match=r"strategy\.dp_simulated_cohort"):  # refused with the config, before a run
+        build_config(flasc_raw(train, eval_, tmp_path / "big", method="lora", dp_clip_norm=0.05,
+                               dp_noise_multiplier=0.8, dp_simulated_cohort=5))
     # a method with its own aggregation would never apply the noise: refused rather than reported
     with pytest.raises(ConfigError, match=r"strategy\.dp_clip_norm"):
         prepare(build_config(flasc_raw(train, eval_, tmp_path / "hp", method="headprune", dp_clip_norm=0.05,

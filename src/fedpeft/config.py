@@ -456,6 +456,16 @@ class ExperimentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _strategy_fields(self) -> ExperimentConfig:
+        """The strategy's own fields (``strategy.dp_*``, ...) checked with the rest, not when a run has
+        loaded its model: building the strategy validates them, and asking it for its privacy guarantee
+        checks the cohort against the population (a sweep validates every run before it starts any)."""
+        from fedpeft.federated.strategy import build_strategy
+
+        build_strategy(self.strategy).server_privacy(0, self.clients_per_round(), self.partition.num_clients)
+        return self
+
+    @model_validator(mode="after")
     def _validation_source(self) -> ExperimentConfig:
         if self.evaluation.splits == ["validation"] and self.task.validation_fraction is None \
                 and self.task.validation_file is None:

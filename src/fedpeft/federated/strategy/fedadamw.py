@@ -145,7 +145,9 @@ class FedAdamW(Strategy):
         o = self.options
         if (o.dp_simulated_cohort or cohort) > population:
             raise ConfigError("strategy.dp_simulated_cohort", f"a cohort of {o.dp_simulated_cohort or cohort} exceeds "
-                              f"the {population} clients of partition.num_clients")
+                              f"the {population} clients of partition.num_clients (epsilon assumes the cohort is "
+                              "sampled from them; a simulated cohort only moves the reported epsilon, so at most "
+                              "the population)")
         return {"epsilon": dp_fedadam_epsilon(o.dp_noise_multiplier, cohort, population, rounds, o.dp_delta,
                                               o.dp_simulated_cohort),
                 "delta": o.dp_delta, "noise_multiplier": o.dp_noise_multiplier, "clip_norm": o.dp_clip_norm,
