@@ -34,7 +34,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedpeft.config import ConfigError
-from fedpeft.federated.privacy import dp_fedadam_epsilon
 from fedpeft.federated.strategy.base import Strategy, register_strategy
 from fedpeft.federated.strategy.robust import robust_delta
 from fedpeft.federated.types import ClientResult, State
@@ -142,6 +141,10 @@ class FedAdamW(Strategy):
         """DP-FedAdam's client-level (epsilon, delta) after ``rounds`` rounds, and this round's update norms."""
         if not self.dp:
             return None
+        # imported here: the accountant pulls in Opacus (seconds), and every config validation builds the
+        # strategy (ExperimentConfig._strategy_fields), most of them without DP
+        from fedpeft.federated.privacy import dp_fedadam_epsilon
+
         o = self.options
         if (o.dp_simulated_cohort or cohort) > population:
             raise ConfigError("strategy.dp_simulated_cohort", f"a cohort of {o.dp_simulated_cohort or cohort} exceeds "
