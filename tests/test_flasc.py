@@ -239,6 +239,78 @@ def test_per_tensor_scope_masks_every_tensor_alike(toy_files: tuple[Path, Path],
         assert int((value != 0).sum()) == expected, key
 
 
+# --- systems heterogeneity: per-client density tiers (Sec. 4.4) -----------------------------------------
+
+def test_density_tiers_scale_each_client_s_download_and_upload(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / "tiers", down_density=0.5, up_density=0.5,
+                                         density_tiers=[0.5, 1.0], tier_assignment="modulo")))
+    algo = exp.algorithm
+    assert algo.client_tiers == [0.5, 1.0, 0.5, 1.0]
+    dense = {k: v.clone() for k, v in algo.dense.items()}
+    numel = sum(v.numel() for v in dense.values())
+    tasks = algo.configure_train(1, [0, 1], exp.initial_state)
+    for task, density in zip(tasks, (0.25, 0.5), strict=True):  # the base density times the client's tier
+        expected = topk_sparsify(dense, density)
+        assert all(torch.equal(task.payload[k], expected[k]) for k in expected)
+        assert sum(int((v != 0).sum()) for v in task.payload.values()) == keep_count(numel, density)
+        assert task.config["up_density"] == density and not task.config["train_received_only"]
+    assert algo.last["client_tiers"] == [0.5, 1.0]
+    assert algo.last["down_density"] == pytest.approx((keep_count(numel, 0.25) + keep_count(numel, 0.5)) / 2 / numel)
+    assert algo.last["up_density"] == pytest.approx(0.375)
+    update = run_client(exp, tasks[0], 1, False).result.update
+    assert sum(int((v != 0).sum()) for v in update.values()) == keep_count(numel, 0.25)
+    # the model evaluated and deployed is the base-density download (what a tier-1 client receives)
+    results = [run_client(exp, t, 1, False).result for t in tasks]
+    public = algo.aggregate(1, exp.initial_state, results)
+    assert all(torch.equal(public[k], topk_sparsify(algo.dense, 0.5)[k]) for k in public)
+
+
+def test_density_tiers_follow_hetlora_s_assignment(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """Under one seed a client gets the same tier index from FLASC's density tiers as from HetLoRA's ranks."""
+    train, eval_ = toy_files
+    for seed in (0, 1, 2):
+        flasc = flasc_raw(train, eval_, tmp_path / f"f{seed}", down_density=1.0, up_density=1.0,
+                          density_tiers=[0.0625, 0.25, 1.0])
+        het = flasc_raw(train, eval_, tmp_path / f"h{seed}", method="hetlora", rank_tiers=[1, 2, 4])
+        for raw in (flasc, het):
+            raw.update(seed=seed, partition={"kind": "iid", "num_clients": 12})
+        tiers = prepare(build_config(flasc)).algorithm.client_tiers
+        ranks = prepare(build_config(het)).algorithm.client_ranks
+        assert [[0.0625, 0.25, 1.0].index(t) for t in tiers] == [[1, 2, 4].index(r) for r in ranks]
+        assert len(set(tiers)) > 1
+
+
+@pytest.mark.parametrize("method", ["flasc", "federated_select"])
+def test_density_tiers_learn(toy_files: tuple[Path, Path], tmp_path: Path, method: str) -> None:
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / method, method=method, name="fedavg", server_lr=1.0,
+                    down_density=1.0, up_density=1.0, density_tiers=[0.25, 1.0], tier_assignment="modulo",
+                    dense_head=True)
+    raw.update(rounds=6, client={"optimizer": "adam", "lr": 0.02, "batch_size": 8, "local_epochs": 2})
+    raw["adapter"]["init"] = "gaussian"
+    records = LocalEngine(prepare(build_config(raw)), tmp_path / method).run()
+    accuracy = [r["eval"]["accuracy"] for r in records]
+    assert max(accuracy[-2:]) >= 0.7, accuracy  # chance is 0.5 on 64 balanced examples
+    tiers = [t for r in records for t in r["method"]["client_tiers"]]
+    assert set(tiers) == {0.25, 1.0}
+    # a round's upload bytes follow its clients' tiers: the 1/4 tier sends fewer than the dense one
+    sizes = {t: b for r in records for t, b in zip(r["method"]["client_tiers"], r["bytes_up"], strict=True)}
+    assert sizes[0.25] < 0.5 * sizes[1.0]
+
+
+def test_bad_density_tiers_name_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    for tiers in ([0.0, 1.0], [1.5], []):
+        with pytest.raises(ConfigError, match=r"strategy\.density_tiers"):
+            prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", density_tiers=tiers)))
+    with pytest.raises(ConfigError, match=r"strategy\.tier_assignment"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", density_tiers=[1.0], tier_assignment="rr")))
+    for method in ("sparse_adapter", "adapter_lth"):
+        with pytest.raises(ConfigError, match=r"strategy\.density_tiers.*one pattern"):
+            prepare(build_config(flasc_raw(train, eval_, tmp_path / method, method=method, density_tiers=[0.5, 1.0])))
+
+
 # --- what the masks keep (visible per round), and the options that change it ------------------------
 
 def test_product_score_is_each_entry_s_contribution_to_ba() -> None:
@@ -341,6 +413,7 @@ def test_product_score_needs_both_factors(toy_files: tuple[Path, Path], tmp_path
 @pytest.mark.parametrize(("method", "options"), [
     ("flasc", {"down_density": 0.25}),
     ("flasc", {"down_density": 1.0, "down_density_decay": 0.5}),
+    ("flasc", {"down_density": 1.0, "density_tiers": [0.25, 1.0]}),
     ("federated_select", {"down_density": 0.5}),
     ("sparse_adapter", {"down_density": 0.25}),
     ("adapter_lth", {}),

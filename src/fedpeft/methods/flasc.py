@@ -52,6 +52,19 @@ change what the weight masks (download, SparseAdapter's pattern, Adapter-LTH's p
   only (the released ``train_sparse_lora_het.py`` leaves non-LoRA tensors out of its download
   masks, though its upload top-k still covers them).
 
+Systems heterogeneity (paper Sec. 4.4, Fig. 6): ``density_tiers`` (default none: every client at
+the densities above) gives each client a tier whose value scales both of its densities: a client of
+tier value m downloads the top ``d_down * m`` and uploads its top ``d_up * m``. With both densities
+1 and tiers ``[1/16, 1/4, 1]`` this is the paper's density ``(1/4)^(b_s - b_c)`` for three tiers,
+FLASC's counterpart of HetLoRA's ranks 1 / 4 / 16 at about the same bytes (``d = r_c / r_s``); the
+released ``train_sparse_lora_het.py --syshet density`` runs exactly these, its download masks over
+LoRA only (``dense_head: true`` here). ``tier_assignment``: ``random`` (default, the paper: uniform,
+seeded from the run seed) or ``modulo`` (client id mod #tiers, the released code); it draws from
+HetLoRA's stream, so both methods give a client the same tier under the same seed. Federated Select
+takes the same tiers (the paper's third arm of Fig. 6); SparseAdapter and Adapter-LTH keep one
+pattern for every client and refuse them. The model evaluated (and deployed) is the one a client of
+tier value 1 downloads, at the base densities (the released script logs one evaluation per tier).
+
 The masks are visible: every round logs, per group (``lora_A``, ``lora_B``, ``head``), the
 fraction of entries the download kept (``down_kept``), the mean fraction of nonzero entries in
 the clients' uploads (``up_kept``) and, for the freezing baselines, the pattern in force
@@ -68,7 +81,7 @@ server's dense copy keeps every entry and only the update is cut.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -82,6 +95,7 @@ from fedpeft.federated.sparse_codec import Scope, apply_masks, keep_count, topk_
 from fedpeft.federated.strategy.fedadamw import validate_options
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.methods.federa import lora_matrix
+from fedpeft.methods.hetlora import TierAssignment, assign_tiers
 from fedpeft.models.encoding import EncodedData
 
 MaskScore = Literal["magnitude", "product"]
@@ -104,6 +118,8 @@ class SparsityOptions(BaseModel):
     prune_every: int = Field(1, gt=0)
     mask_score: MaskScore = "magnitude"
     dense_head: bool = False
+    density_tiers: list[Annotated[float, Field(gt=0, le=1)]] | None = Field(None, min_length=1)
+    tier_assignment: TierAssignment = "random"
 
 
 def scheduled_density(density: float, decay: float, decay_every: int, round_idx: int) -> float:
@@ -216,6 +232,7 @@ class Flasc(Algorithm):
 
     name = "flasc"
     freeze_clients: ClassVar[bool] = False
+    one_pattern: ClassVar[bool] = False  # the pruning baselines: one mask for every client, no tiers
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
@@ -225,6 +242,13 @@ class Flasc(Algorithm):
             if unpaired:
                 raise ConfigError("strategy.mask_score", f"product needs both LoRA factors trainable; {unpaired[0]} "
                                   "has no trainable partner (use magnitude)")
+        tiers = self.options.density_tiers
+        if tiers and self.one_pattern:
+            raise ConfigError("strategy.density_tiers", f"{self.name} prunes one pattern for every client; "
+                              "density tiers apply to flasc and federated_select")
+        self.client_tiers = None if not tiers else [
+            float(tiers[t]) for t in assign_tiers(cfg.partition.num_clients, len(tiers), self.options.tier_assignment,
+                                                   cfg.seed)]
         self.check_init()
         self.dense: State = {}
         self.mask: dict[str, torch.Tensor] | None = None  # fixed/pruned pattern of the freezing baselines
@@ -235,6 +259,8 @@ class Flasc(Algorithm):
         o = self.options
         if o.down_density < 1 or o.down_density_decay < 1:
             refuse_svd_init(self.cfg.adapter, f"{self.name}'s download mask (strategy.down_density < 1)")
+        if o.density_tiers and min(o.density_tiers) < 1:
+            refuse_svd_init(self.cfg.adapter, f"{self.name}'s download mask (strategy.density_tiers below 1)")
 
     # -- densities and masks -------------------------------------------------------------------
     def down_density(self, round_idx: int) -> float:
@@ -258,9 +284,14 @@ class Flasc(Algorithm):
         """Top-``density`` of the dense weights by score (tensors without a mask stay whole)."""
         return topk_masks(self.scores(self.dense), density, self.options.mask_scope)
 
-    def download_masks(self, round_idx: int) -> dict[str, torch.Tensor] | None:
-        """Alg. 1 line 5: top-``d_down`` of |P|, recomputed from the dense weights every round."""
-        density = self.down_density(round_idx)
+    def tier(self, client: int) -> float:
+        """The client's density tier value (1 without ``density_tiers``)."""
+        return 1.0 if self.client_tiers is None else self.client_tiers[client]
+
+    def download_masks(self, round_idx: int, tier: float = 1.0) -> dict[str, torch.Tensor] | None:
+        """Alg. 1 line 5: top-``d_down`` (times a client's ``tier``) of |P|, recomputed from the dense
+        weights every round."""
+        density = self.down_density(round_idx) * tier
         return None if density >= 1 else self.weight_masks(density)
 
     def download(self, round_idx: int) -> State:
@@ -277,19 +308,33 @@ class Flasc(Algorithm):
         return self.download(1)
 
     def configure_train(self, round_idx: int, clients: Sequence[int], global_state: State) -> list[ClientTask]:
-        masks = self.download_masks(round_idx)
-        payload = dict(self.dense) if masks is None else apply_masks(self.dense, masks)
-        config = {
-            **self.strategy.client_config(),
-            "up_density": self.up_density(round_idx),
-            "mask_scope": self.options.mask_scope,
-            "train_received_only": self.freeze_clients and masks is not None,
-            "dense_head": self.options.dense_head,
-        }
-        self.last = {"down_density": 1.0 if masks is None else mask_density(masks),
+        """One payload per tier in the round (a single one without tiers), shared by its clients."""
+        by_tier: dict[float, tuple[State, dict[str, Any], dict[str, Any]]] = {}
+        for tier in {1.0, *(self.tier(c) for c in clients)}:
+            masks = self.download_masks(round_idx, tier)
+            config = {
+                **self.strategy.client_config(),
+                "up_density": self.up_density(round_idx) * tier,
+                "mask_scope": self.options.mask_scope,
+                "train_received_only": self.freeze_clients and masks is not None,
+                "dense_head": self.options.dense_head,
+            }
+            stats = {"down_density": 1.0 if masks is None else mask_density(masks),
                      "up_density": config["up_density"],
                      "down_kept": group_fractions(self.dense, masks or {})}
-        return [ClientTask(client_id=c, payload=payload, config=dict(config)) for c in clients]
+            by_tier[tier] = (dict(self.dense) if masks is None else apply_masks(self.dense, masks), config, stats)
+        tiers = [self.tier(c) for c in clients]
+        if self.client_tiers is None or not clients:
+            self.last = dict(by_tier[1.0][2])
+        else:  # means over the round's clients, and each one's tier
+            per_client = [by_tier[t][2] for t in tiers]
+            self.last = {"down_density": float(np.mean([s["down_density"] for s in per_client])),
+                         "up_density": float(np.mean([s["up_density"] for s in per_client])),
+                         "down_kept": {g: float(np.mean([s["down_kept"][g] for s in per_client]))
+                                       for g in per_client[0]["down_kept"]},
+                         "client_tiers": tiers}
+        return [ClientTask(client_id=c, payload=by_tier[t][0], config=dict(by_tier[t][1]))
+                for c, t in zip(clients, tiers, strict=True)]
 
     def client_update(self, slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: ClientTask,
                       seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
@@ -336,6 +381,7 @@ class SparseAdapter(Flasc):
 
     name = "sparse_adapter"
     freeze_clients = True
+    one_pattern = True
 
     def check_init(self) -> None:
         if self.options.down_density < 1:
@@ -348,7 +394,7 @@ class SparseAdapter(Flasc):
         self.after_step(0)  # pruning at initialisation
         return self.download(1)
 
-    def download_masks(self, round_idx: int) -> dict[str, torch.Tensor] | None:
+    def download_masks(self, round_idx: int, tier: float = 1.0) -> dict[str, torch.Tensor] | None:
         return self.mask
 
     def after_step(self, round_idx: int) -> None:

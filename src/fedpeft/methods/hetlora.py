@@ -41,18 +41,29 @@ from fedpeft.methods.federa import LoraFedAvg, lora_matrix
 from fedpeft.models.encoding import EncodedData
 from fedpeft.seeding import rng_for
 
+TierAssignment = Literal["random", "modulo"]
+
 
 class HetLoraOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     rank_tiers: list[int] | None = Field(default=None, min_length=1)
-    rank_assignment: Literal["random", "modulo"] = "random"
+    rank_assignment: TierAssignment = "random"
 
 
 def default_tiers(rank: int) -> list[int]:
     """FLASC's tiers 4^b, b = 0, 1, ..., up to the server rank (which is always the top tier)."""
     tiers = [4**b for b in range(rank.bit_length()) if 4**b < rank]
     return [*tiers, rank]
+
+
+def assign_tiers(num_clients: int, num_tiers: int, assignment: TierAssignment, seed: int) -> np.ndarray:
+    """Each client's tier index: ``modulo`` (client id mod #tiers, FLASC's released code) or ``random``
+    (uniform, seeded from the run seed; the paper). One stream for every tiered method, so HetLoRA and
+    FLASC's density tiers give a client the same tier index under the same seed."""
+    if assignment == "modulo":
+        return np.arange(num_clients) % num_tiers
+    return rng_for(seed, "hetlora_tiers").integers(num_tiers, size=num_clients)
 
 
 def slice_lora(state: State, rank: int) -> State:
@@ -101,11 +112,7 @@ class HetLora(LoraFedAvg):
                 if getattr(self.cfg.codec, direction).pack:  # a packed message holds whole tensors of the schema
                     raise ConfigError(f"codec.{direction}.pack", f"hetlora sends rank-{min(tiers)} slices, whose "
                                       "shapes a packed message cannot carry; set it to false")
-        n = self.cfg.partition.num_clients
-        if options.rank_assignment == "modulo":
-            tier_of = np.arange(n) % len(tiers)
-        else:
-            tier_of = rng_for(self.cfg.seed, "hetlora_tiers").integers(len(tiers), size=n)
+        tier_of = assign_tiers(self.cfg.partition.num_clients, len(tiers), options.rank_assignment, self.cfg.seed)
         self.tiers = list(tiers)
         self.client_ranks = [int(tiers[t]) for t in tier_of]
         self._round_ranks: list[int] = []
