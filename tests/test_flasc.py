@@ -249,21 +249,56 @@ def test_density_tiers_scale_each_client_s_download_and_upload(toy_files: tuple[
     assert algo.client_tiers == [0.5, 1.0, 0.5, 1.0]
     dense = {k: v.clone() for k, v in algo.dense.items()}
     numel = sum(v.numel() for v in dense.values())
-    tasks = algo.configure_train(1, [0, 1], exp.initial_state)
-    for task, density in zip(tasks, (0.25, 0.5), strict=True):  # the base density times the client's tier
+    tasks = algo.configure_train(1, [3, 0], exp.initial_state)  # client 3 is tier 1, client 0 tier 0.5
+    for task, density in zip(tasks, (0.5, 0.25), strict=True):  # the base density times the client's tier
         expected = topk_sparsify(dense, density)
         assert all(torch.equal(task.payload[k], expected[k]) for k in expected)
         assert sum(int((v != 0).sum()) for v in task.payload.values()) == keep_count(numel, density)
         assert task.config["up_density"] == density and not task.config["train_received_only"]
-    assert algo.last["client_tiers"] == [0.5, 1.0]
+    assert algo.last["client_tiers"] == [1.0, 0.5]
     assert algo.last["down_density"] == pytest.approx((keep_count(numel, 0.25) + keep_count(numel, 0.5)) / 2 / numel)
     assert algo.last["up_density"] == pytest.approx(0.375)
-    update = run_client(exp, tasks[0], 1, False).result.update
+    update = run_client(exp, tasks[1], 1, False).result.update
     assert sum(int((v != 0).sum()) for v in update.values()) == keep_count(numel, 0.25)
     # the model evaluated and deployed is the base-density download (what a tier-1 client receives)
     results = [run_client(exp, t, 1, False).result for t in tasks]
     public = algo.aggregate(1, exp.initial_state, results)
     assert all(torch.equal(public[k], topk_sparsify(algo.dense, 0.5)[k]) for k in public)
+
+
+@pytest.mark.parametrize("dense_head", [True, "down"])
+def test_density_tiers_with_a_dense_head(toy_files: tuple[Path, Path], tmp_path: Path, dense_head: object) -> None:
+    """``down`` (the released het script): head out of the download mask, in the upload top-k; true: out of both."""
+    train, eval_ = toy_files
+    exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / str(dense_head), down_density=1.0, up_density=1.0,
+                                         density_tiers=[0.25, 1.0], tier_assignment="modulo",
+                                         dense_head=dense_head)))
+    algo = exp.algorithm
+    head = [k for k in algo.dense if lora_matrix(k) is None]
+    lora = [k for k in algo.dense if lora_matrix(k)]
+    lora_numel = sum(algo.dense[k].numel() for k in lora)
+    numel = lora_numel + sum(algo.dense[k].numel() for k in head)
+    low, top = algo.configure_train(1, [2, 1], exp.initial_state)
+    expected = topk_sparsify({k: algo.dense[k] for k in lora}, 0.25)  # LoRA's own top quarter
+    assert all(torch.equal(low.payload[k], expected[k]) for k in lora)
+    assert all(torch.equal(low.payload[k], algo.dense[k]) for k in head)
+    assert all(torch.equal(top.payload[k], algo.dense[k]) for k in algo.dense)
+    update = run_client(exp, low, 1, False).result.update
+    if dense_head is True:  # a quarter of LoRA's update entries, the head's update whole
+        assert sum(int((update[k] != 0).sum()) for k in lora) == keep_count(lora_numel, 0.25)
+        assert all(bool((update[k] != 0).all()) for k in head if k.endswith("weight"))
+    else:  # a quarter of all the update's entries, head and LoRA ranked together
+        assert sum(int((update[k] != 0).sum()) for k in update) == keep_count(numel, 0.25)
+    full = run_client(exp, top, 1, False).result.update
+    assert sum(int((full[k] != 0).sum()) for k in full) > keep_count(numel, 0.5)
+
+
+def test_federated_select_freezes_only_the_tiers_below_one(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    exp = prepare(build_config(flasc_raw(train, eval_, tmp_path / "fs", method="federated_select", down_density=1.0,
+                                         density_tiers=[0.5, 1.0], tier_assignment="modulo")))
+    tasks = exp.algorithm.configure_train(1, [0, 1, 3], exp.initial_state)
+    assert [t.config["train_received_only"] for t in tasks] == [True, False, False]
 
 
 def test_density_tiers_follow_hetlora_s_assignment(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -286,7 +321,7 @@ def test_density_tiers_learn(toy_files: tuple[Path, Path], tmp_path: Path, metho
     train, eval_ = toy_files
     raw = flasc_raw(train, eval_, tmp_path / method, method=method, name="fedavg", server_lr=1.0,
                     down_density=1.0, up_density=1.0, density_tiers=[0.25, 1.0], tier_assignment="modulo",
-                    dense_head=True)
+                    dense_head="down")
     raw.update(rounds=6, client={"optimizer": "adam", "lr": 0.02, "batch_size": 8, "local_epochs": 2})
     raw["adapter"]["init"] = "gaussian"
     records = LocalEngine(prepare(build_config(raw)), tmp_path / method).run()
@@ -294,9 +329,10 @@ def test_density_tiers_learn(toy_files: tuple[Path, Path], tmp_path: Path, metho
     assert max(accuracy[-2:]) >= 0.7, accuracy  # chance is 0.5 on 64 balanced examples
     tiers = [t for r in records for t in r["method"]["client_tiers"]]
     assert set(tiers) == {0.25, 1.0}
-    # a round's upload bytes follow its clients' tiers: the 1/4 tier sends fewer than the dense one
-    sizes = {t: b for r in records for t, b in zip(r["method"]["client_tiers"], r["bytes_up"], strict=True)}
-    assert sizes[0.25] < 0.5 * sizes[1.0]
+    # a round's bytes follow its clients' tiers: the 1/4 tier receives and sends fewer than the dense one
+    for direction in ("bytes_down", "bytes_up"):
+        sizes = {t: b for r in records for t, b in zip(r["method"]["client_tiers"], r[direction], strict=True)}
+        assert sizes[0.25] < 0.5 * sizes[1.0], direction
 
 
 def test_bad_density_tiers_name_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -304,6 +340,8 @@ def test_bad_density_tiers_name_the_field(toy_files: tuple[Path, Path], tmp_path
     for tiers in ([0.0, 1.0], [1.5], []):
         with pytest.raises(ConfigError, match=r"strategy\.density_tiers"):
             prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", density_tiers=tiers)))
+    with pytest.raises(ConfigError, match=r"strategy\.dense_head"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", dense_head="up")))
     with pytest.raises(ConfigError, match=r"strategy\.tier_assignment"):
         prepare(build_config(flasc_raw(train, eval_, tmp_path / "bad", density_tiers=[1.0], tier_assignment="rr")))
     for method in ("sparse_adapter", "adapter_lth"):

@@ -47,23 +47,27 @@ change what the weight masks (download, SparseAdapter's pattern, Adapter-LTH's p
   on 20 Newsgroups after 3 dense rounds at server lr 3.5e-3 and 6.0e-3 the mask still kept 0 of
   B (``benchmarks/flasc.yaml``'s notes); ``product`` ranks A and B on one scale.
 * ``dense_head``: false (default, the released main script ``train_sparse_lora_dp.py``: the
-  top-k ranks the head's entries with LoRA's) or true: the non-LoRA tensors (the task head)
-  are never masked, pruned or sparsified, in both directions, and the densities count LoRA entries
-  only (the released ``train_sparse_lora_het.py`` leaves non-LoRA tensors out of its download
-  masks, though its upload top-k still covers them).
+  top-k ranks the head's entries with LoRA's), true: the non-LoRA tensors (the task head) are
+  never masked, pruned or sparsified, in both directions, and the densities count LoRA entries
+  only, or ``down``: the released ``train_sparse_lora_het.py``, whose weight masks (the download)
+  leave the head out and count LoRA entries while the upload top-k ranks the head's update
+  entries with LoRA's and counts them all. Freezing clients never freeze a head that is kept out
+  of the download mask (true or ``down``).
 
 Systems heterogeneity (paper Sec. 4.4, Fig. 6): ``density_tiers`` (default none: every client at
 the densities above) gives each client a tier whose value scales both of its densities: a client of
-tier value m downloads the top ``d_down * m`` and uploads its top ``d_up * m``. With both densities
-1 and tiers ``[1/16, 1/4, 1]`` this is the paper's density ``(1/4)^(b_s - b_c)`` for three tiers,
-FLASC's counterpart of HetLoRA's ranks 1 / 4 / 16 at about the same bytes (``d = r_c / r_s``); the
-released ``train_sparse_lora_het.py --syshet density`` runs exactly these, its download masks over
-LoRA only (``dense_head: true`` here). ``tier_assignment``: ``random`` (default, the paper: uniform,
-seeded from the run seed) or ``modulo`` (client id mod #tiers, the released code); it draws from
-HetLoRA's stream, so both methods give a client the same tier under the same seed. Federated Select
-takes the same tiers (the paper's third arm of Fig. 6); SparseAdapter and Adapter-LTH keep one
-pattern for every client and refuse them. The model evaluated (and deployed) is the one a client of
-tier value 1 downloads, at the base densities (the released script logs one evaluation per tier).
+tier value m downloads the top ``d_down * m`` and uploads its top ``d_up * m``. The paper draws
+b_c in {1..b_s} (b_s = 2 or 4 tiers), gives HetLoRA rank 4^b_c and FLASC density
+``(1/4)^(b_s - b_c)`` of a rank-4^b_s LoRA (``d = r_c / r_s``, about the same bytes); the released
+``train_sparse_lora_het.py --syshet density`` runs three tiers, ranks 1 / 4 / 16 against densities
+1/16, 1/4, 1 both ways: both densities 1, tiers ``[0.0625, 0.25, 1]`` and ``dense_head: down``
+here. ``tier_assignment``: ``random`` (default, the paper: uniform, seeded from the run seed) or
+``modulo`` (client id mod #tiers, the released code); it draws from HetLoRA's stream, so both
+methods give a client the same tier under the same seed. Federated Select takes the same tiers
+with its unstructured top-k (the paper's Fig. 6 Federated Select adjusts a structured mask per
+tier); SparseAdapter and Adapter-LTH keep one pattern for every client and refuse them. The model
+evaluated (and deployed) is the one a client of tier value 1 downloads, at the base densities (the
+released script logs one evaluation per tier; the paper does not say which Fig. 6 plots).
 
 The masks are visible: every round logs, per group (``lora_A``, ``lora_B``, ``head``), the
 fraction of entries the download kept (``down_kept``), the mean fraction of nonzero entries in
@@ -117,7 +121,7 @@ class SparsityOptions(BaseModel):
     prune_fraction: float = Field(0.02, gt=0, lt=1)
     prune_every: int = Field(1, gt=0)
     mask_score: MaskScore = "magnitude"
-    dense_head: bool = False
+    dense_head: bool | Literal["down"] = False
     density_tiers: list[Annotated[float, Field(gt=0, le=1)]] | None = Field(None, min_length=1)
     tier_assignment: TierAssignment = "random"
 
@@ -201,10 +205,11 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
     ``train_received_only``: gradients of entries that arrived as zero are masked, so only the
     received subset trains (freezing baselines). ``up_density`` < 1: the update is cut to its own
     top-k (Alg. 1 lines 11-12), with no memory of what was dropped (no error feedback).
-    ``dense_head``: the non-LoRA tensors are neither frozen nor sparsified (a zero-initialised
-    head bias would otherwise count as "not received").
+    ``dense_head``: the non-LoRA tensors are never frozen (a zero-initialised head bias would
+    otherwise count as "not received"); ``dense_head_up``: nor sparsified on upload.
     """
     dense_head = bool(task.config.get("dense_head"))
+    dense_head_up = bool(task.config.get("dense_head_up"))
     handles = []
     if task.config.get("train_received_only"):
         for key, value in task.payload.items():
@@ -220,7 +225,7 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
     up_density = float(task.config.get("up_density", 1.0))
     if up_density < 1:
         update = result.update
-        masked = {k: v for k, v in update.items() if not (dense_head and lora_matrix(k) is None)}
+        masked = {k: v for k, v in update.items() if not (dense_head_up and lora_matrix(k) is None)}
         sparse = topk_sparsify(masked, up_density, task.config.get("mask_scope", "global"))
         result.update = {k: sparse.get(k, v) for k, v in update.items()}
     return result, stats
@@ -272,7 +277,7 @@ class Flasc(Algorithm):
         return scheduled_density(o.up_density, o.up_density_decay, o.decay_every, round_idx)
 
     def maskable(self, state: State) -> State:
-        """The tensors weight masks cover: all, or with ``dense_head`` the LoRA ones only."""
+        """The tensors weight masks cover: all, or with ``dense_head`` (true or ``down``) the LoRA ones only."""
         return {k: v for k, v in state.items() if not (self.options.dense_head and lora_matrix(k) is None)}
 
     def scores(self, state: State) -> State:
@@ -317,7 +322,8 @@ class Flasc(Algorithm):
                 "up_density": self.up_density(round_idx) * tier,
                 "mask_scope": self.options.mask_scope,
                 "train_received_only": self.freeze_clients and masks is not None,
-                "dense_head": self.options.dense_head,
+                "dense_head": bool(self.options.dense_head),
+                "dense_head_up": self.options.dense_head is True,
             }
             stats = {"down_density": 1.0 if masks is None else mask_density(masks),
                      "up_density": config["up_density"],
