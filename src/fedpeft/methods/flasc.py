@@ -314,8 +314,9 @@ class Flasc(Algorithm):
 
     def configure_train(self, round_idx: int, clients: Sequence[int], global_state: State) -> list[ClientTask]:
         """One payload per tier in the round (a single one without tiers), shared by its clients."""
+        tiers = [self.tier(c) for c in clients]
         by_tier: dict[float, tuple[State, dict[str, Any], dict[str, Any]]] = {}
-        for tier in {1.0, *(self.tier(c) for c in clients)}:
+        for tier in set(tiers) or {1.0}:  # an empty round still logs the base download
             masks = self.download_masks(round_idx, tier)
             config = {
                 **self.strategy.client_config(),
@@ -329,7 +330,6 @@ class Flasc(Algorithm):
                      "up_density": config["up_density"],
                      "down_kept": group_fractions(self.dense, masks or {})}
             by_tier[tier] = (dict(self.dense) if masks is None else apply_masks(self.dense, masks), config, stats)
-        tiers = [self.tier(c) for c in clients]
         if self.client_tiers is None or not clients:
             self.last = dict(by_tier[1.0][2])
         else:  # means over the round's clients, and each one's tier
