@@ -13,7 +13,13 @@ from fedpeft.experiment import prepare
 from fedpeft.federated.sparse_codec import keep_count, topk_sparsify
 from fedpeft.federated.types import ClientResult
 from fedpeft.methods.federa import lora_matrix
-from fedpeft.methods.flasc import group_fractions, magnitude_prune, scheduled_density, weight_scores
+from fedpeft.methods.flasc import (
+    group_fractions,
+    magnitude_prune,
+    rank_masks,
+    scheduled_density,
+    weight_scores,
+)
 from fedpeft.metrics.summary import summarize
 from tests.conftest import tiny_raw_config
 
@@ -316,12 +322,16 @@ def test_density_tiers_follow_hetlora_s_assignment(toy_files: tuple[Path, Path],
         assert len(set(tiers)) > 1
 
 
-@pytest.mark.parametrize("method", ["flasc", "federated_select"])
-def test_density_tiers_learn(toy_files: tuple[Path, Path], tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize(("method", "options"), [
+    ("flasc", {"dense_head": "down"}),
+    ("federated_select", {"dense_head": "down"}),
+    ("federated_select", {"dense_head": True, "mask_granularity": "rank", "mask_scope": "per_tensor"}),
+])
+def test_density_tiers_learn(toy_files: tuple[Path, Path], tmp_path: Path, method: str, options: dict) -> None:
     train, eval_ = toy_files
     raw = flasc_raw(train, eval_, tmp_path / method, method=method, name="fedavg", server_lr=1.0,
                     down_density=1.0, up_density=1.0, density_tiers=[0.25, 1.0], tier_assignment="modulo",
-                    dense_head="down")
+                    **options)
     raw.update(rounds=6, client={"optimizer": "adam", "lr": 0.02, "batch_size": 8, "local_epochs": 2})
     raw["adapter"]["init"] = "gaussian"
     records = LocalEngine(prepare(build_config(raw)), tmp_path / method).run()
@@ -347,6 +357,72 @@ def test_bad_density_tiers_name_the_field(toy_files: tuple[Path, Path], tmp_path
     for method in ("sparse_adapter", "adapter_lth"):
         with pytest.raises(ConfigError, match=r"strategy\.density_tiers.*one pattern"):
             prepare(build_config(flasc_raw(train, eval_, tmp_path / method, method=method, density_tiers=[0.5, 1.0])))
+
+
+# --- structured masks: whole LoRA rank components (the paper's Fig. 6 Federated Select) ----------------
+
+def test_rank_masks_keep_whole_components() -> None:
+    a1, b1 = "m1.q.lora_A.default.weight", "m1.q.lora_B.default.weight"
+    a2, b2 = "m2.q.lora_A.default.weight", "m2.q.lora_B.default.weight"
+    scores = {  # r = 4; component k scores sum(A[k, :]) + sum(B[:, k])
+        a1: torch.tensor([[1.0, 0.0], [0.0, 0.0], [3.0, 1.0], [0.5, 0.0]]),  # rows: 1, 0, 4, 0.5
+        b1: torch.tensor([[0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]),  # cols: 0, 2, 0, 1 -> 1, 2, 4, 1.5
+        a2: torch.zeros(4, 2), b2: torch.tensor([[0.0, 0.0, 0.0, 9.0]]),  # 0, 0, 0, 9
+    }
+    per_module = rank_masks(scores, 0.5, "per_tensor")  # 2 of 4 components in every module
+    assert per_module[a1][:, 0].tolist() == [False, True, True, False]
+    assert per_module[a2][:, 0].tolist() == [True, False, False, True]  # a tie at 0 goes to the lower index
+    for a, b in ((a1, b1), (a2, b2)):  # a kept component keeps its whole row of A and column of B
+        assert torch.equal(per_module[a], per_module[a][:, :1].expand_as(per_module[a]))
+        assert torch.equal(per_module[b], per_module[a][:, 0][None, :].expand_as(per_module[b]))
+    overall = rank_masks(scores, 0.25, "global")  # 2 of all 8 components: 9 (m2) and 4 (m1)
+    assert overall[a1][:, 0].tolist() == [False, False, True, False]
+    assert overall[a2][:, 0].tolist() == [False, False, False, True]
+    zeros = rank_masks({a1: torch.zeros(4, 2), b1: torch.zeros(2, 4)}, 0.25, "per_tensor")
+    assert zeros[a1][:, 0].tolist() == [True, False, False, False]  # all 0: HetLoRA's first components
+
+
+def test_federated_select_rank_tiers_train_whole_components(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """A tier-1/2 client gets the top half of every module's components and trains exactly those, B's
+    columns included while they are still 0 (an entry mask leaves such a B frozen)."""
+    train, eval_ = toy_files
+    updates = {}
+    for granularity in ("rank", "entry"):
+        exp = prepare(build_config(flasc_raw(
+            train, eval_, tmp_path / granularity, method="federated_select", down_density=1.0, up_density=1.0,
+            density_tiers=[0.5, 1.0], tier_assignment="modulo", dense_head=True, mask_granularity=granularity,
+            mask_scope="per_tensor")))
+        algo = exp.algorithm
+        low = algo.configure_train(1, [0], exp.initial_state)[0]
+        lora = {k: v for k, v in algo.dense.items() if lora_matrix(k)}
+        if granularity == "rank":
+            expected = rank_masks(weight_scores(lora, "magnitude", 2.0), 0.5, "per_tensor")
+            for key in lora:
+                assert torch.equal(low.payload[key], algo.dense[key] * expected[key]), key
+                if lora_matrix(key) == "A":  # 2 of r = 4 rows arrive
+                    assert int((low.payload[key] != 0).any(dim=1).sum()) == 2
+        updates[granularity] = run_client(exp, low, 1, False).result.update
+    update = updates["rank"]
+    for key in lora:
+        moved = update[key] != 0
+        assert torch.equal(moved, expected[key]), key  # exactly the received components, B's zero columns too
+    assert all(bool(update[k].any()) for k in update if lora_matrix(k) is None)  # the dense head trains
+    assert not any(bool(updates["entry"][k].any()) for k in lora if lora_matrix(k) == "B")
+
+
+def test_bad_rank_granularity_names_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    train, eval_ = toy_files
+    with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*dense_head"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "h", down_density=0.5, mask_granularity="rank")))
+    with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*entries"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "l", method="adapter_lth", dense_head=True,
+                                       mask_granularity="rank")))
+    raw = flasc_raw(train, eval_, tmp_path / "ffa", dense_head=True, mask_granularity="rank")
+    raw["adapter"]["kind"] = "ffa_lora"
+    with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*partner"):
+        prepare(build_config(raw))
+    with pytest.raises(ConfigError, match=r"strategy\.mask_granularity"):
+        prepare(build_config(flasc_raw(train, eval_, tmp_path / "x", mask_granularity="column")))
 
 
 # --- what the masks keep (visible per round), and the options that change it ------------------------

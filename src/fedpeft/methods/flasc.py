@@ -53,6 +53,16 @@ change what the weight masks (download, SparseAdapter's pattern, Adapter-LTH's p
   leave the head out and count LoRA entries while the upload top-k ranks the head's update
   entries with LoRA's and counts them all. Freezing clients never freeze a head that is kept out
   of the download mask (true or ``down``).
+* ``mask_granularity``: ``entry`` (default, the paper's unstructured top-k) or ``rank``: the weight
+  masks keep whole LoRA rank components (row k of A with column k of B, scored by the sum of their
+  entries' scores), per module under ``mask_scope: per_tensor`` (every module keeps the same rank, a
+  HetLoRA tier's budget) or over all modules under ``global``. It is the structured mask of the
+  paper's Fig. 6 Federated Select ("an intermediate version of FLASC and Heterogeneous LoRA that
+  allows the server to adjust the structured sparsity mask associated with each client budget
+  tier"; the paper gives no score, so the family's ``mask_score`` ranks the components). A freezing
+  client trains the components whose row of A arrived nonzero, B's column with it, so a component
+  whose B is still 0 trains, where an entry mask would freeze that B. The head has no components:
+  ``rank`` needs ``dense_head`` (true or ``down``); Adapter-LTH prunes entries and refuses it.
 
 Systems heterogeneity (paper Sec. 4.4, Fig. 6): ``density_tiers`` (default none: every client at
 the densities above) gives each client a tier whose value scales both of its densities: a client of
@@ -63,9 +73,9 @@ b_c in {1..b_s} (b_s = 2 or 4 tiers), gives HetLoRA rank 4^b_c and FLASC density
 1/16, 1/4, 1 both ways: both densities 1, tiers ``[0.0625, 0.25, 1]`` and ``dense_head: down``
 here. ``tier_assignment``: ``random`` (default, the paper: uniform, seeded from the run seed) or
 ``modulo`` (client id mod #tiers, the released code); it draws from HetLoRA's stream, so both
-methods give a client the same tier under the same seed. Federated Select takes the same tiers
-with its unstructured top-k (the paper's Fig. 6 Federated Select adjusts a structured mask per
-tier); SparseAdapter and Adapter-LTH keep one pattern for every client and refuse them. The model
+methods give a client the same tier under the same seed. Federated Select takes the same tiers,
+with entry masks or (``mask_granularity: rank``) the structured ones of the paper's Fig. 6 arm;
+SparseAdapter and Adapter-LTH keep one pattern for every client and refuse them. The model
 evaluated (and deployed) is the one a client of tier value 1 downloads, at the base densities (the
 released script logs one evaluation per tier; the paper does not say which Fig. 6 plots).
 
@@ -95,7 +105,14 @@ from fedpeft.adapters.federa import refuse_svd_init
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
-from fedpeft.federated.sparse_codec import Scope, apply_masks, keep_count, topk_masks, topk_sparsify
+from fedpeft.federated.sparse_codec import (
+    Scope,
+    apply_masks,
+    keep_count,
+    topk_flat_mask,
+    topk_masks,
+    topk_sparsify,
+)
 from fedpeft.federated.strategy.fedadamw import validate_options
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.methods.federa import lora_matrix
@@ -124,6 +141,7 @@ class SparsityOptions(BaseModel):
     dense_head: bool | Literal["down"] = False
     density_tiers: list[Annotated[float, Field(gt=0, le=1)]] | None = Field(None, min_length=1)
     tier_assignment: TierAssignment = "random"
+    mask_granularity: Literal["entry", "rank"] = "entry"
 
 
 def scheduled_density(density: float, decay: float, decay_every: int, round_idx: int) -> float:
@@ -179,6 +197,54 @@ def weight_scores(state: State, score: MaskScore, scale: float) -> State:
     return scores
 
 
+def rank_masks(scores: State, density: float, scope: Scope = "global") -> dict[str, torch.Tensor]:
+    """Masks that keep whole LoRA rank components: row k of A together with column k of B.
+
+    A component's score is the sum of its entries' ``scores`` (row k of A plus column k of B); the
+    top-``density`` components are kept per LoRA pair (``per_tensor``: every module keeps
+    ``keep_count(r, density)``, HetLoRA's per-module rank budget) or over all pairs (``global``).
+    Ties go to the lower index, so while every score is 0 (``product`` with B = 0) a pair keeps its
+    first components, HetLoRA's slice. ``scores`` holds LoRA tensors only, each A with its B.
+    """
+    pairs = sorted(k for k in scores if lora_matrix(k) == "A")
+    component = {a: scores[a].sum(dim=1) + scores[lora_partner(a)].sum(dim=0) for a in pairs}
+    if scope == "per_tensor":
+        keep = {a: topk_flat_mask(component[a], density) for a in pairs}
+    else:
+        flat = topk_flat_mask(torch.cat([component[a] for a in pairs]), density) if pairs else torch.zeros(0)
+        keep, start = {}, 0
+        for a in pairs:
+            keep[a] = flat[start : start + component[a].numel()]
+            start += component[a].numel()
+    masks = {}
+    for a in pairs:
+        b = lora_partner(a)
+        masks[a] = keep[a][:, None].expand(scores[a].shape).clone()
+        masks[b] = keep[a][None, :].expand(scores[b].shape).clone()
+    return masks
+
+
+def received_masks(payload: State, dense_head: bool, granularity: str) -> dict[str, torch.Tensor]:
+    """What a freezing client may train, read off the payload alone (no extra bytes on the wire).
+
+    ``entry``: every entry that arrived nonzero (the released code's gradient masking). ``rank``: whole
+    components, those whose row of A arrived nonzero (A is never all zero at LoRA's random init), so
+    a component's B column trains even while it is still 0. ``dense_head``: no head entry is frozen.
+    """
+    masks = {}
+    for key, value in payload.items():
+        kind = lora_matrix(key)
+        if kind is None and dense_head:
+            continue
+        if granularity == "rank" and kind == "A":
+            rows = (value != 0).any(dim=1)
+            masks[key] = rows[:, None].expand(value.shape)
+            masks[lora_partner(key)] = rows[None, :].expand(payload[lora_partner(key)].shape)
+        elif not (granularity == "rank" and kind == "B"):
+            masks[key] = value != 0
+    return masks
+
+
 def magnitude_prune(state: State, masks: dict[str, torch.Tensor], fraction: float) -> dict[str, torch.Tensor]:
     """Keep the top ``1 - fraction`` (by |value|, global) of the entries still in ``masks``; nested in them.
     Pass :func:`weight_scores` as ``state`` to rank by another score."""
@@ -202,8 +268,8 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
                         seed: int, count_flops: bool) -> tuple[ClientResult, TrainStats]:
     """The client side of the whole family; reads only ``task.payload`` and JSON ``task.config``.
 
-    ``train_received_only``: gradients of entries that arrived as zero are masked, so only the
-    received subset trains (freezing baselines). ``up_density`` < 1: the update is cut to its own
+    ``train_received_only``: only the received subset trains (freezing baselines): the gradients
+    outside :func:`received_masks` are masked. ``up_density`` < 1: the update is cut to its own
     top-k (Alg. 1 lines 11-12), with no memory of what was dropped (no error feedback).
     ``dense_head``: the non-LoRA tensors are never frozen (a zero-initialised head bias would
     otherwise count as "not received"); ``dense_head_up``: nor sparsified on upload.
@@ -212,10 +278,9 @@ def train_sparse_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, t
     dense_head_up = bool(task.config.get("dense_head_up"))
     handles = []
     if task.config.get("train_received_only"):
-        for key, value in task.payload.items():
-            if dense_head and lora_matrix(key) is None:
-                continue
-            received = (value != 0).to(slot.device, value.dtype)
+        masks = received_masks(task.payload, dense_head, task.config.get("mask_granularity", "entry"))
+        for key, mask in masks.items():
+            received = mask.to(slot.device, task.payload[key].dtype)
             handles.append(slot.params[key].register_hook(lambda grad, m=received: grad * m))
     try:
         result, stats = train_client(slot, data, shard, task, cfg, seed, count_flops)
@@ -242,11 +307,18 @@ class Flasc(Algorithm):
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
         self.options: SparsityOptions = validate_options(SparsityOptions, cfg.strategy.model_extra or {}, "strategy")
-        if self.options.mask_score == "product":
-            unpaired = [k for k in ctx.slot.trainable if lora_matrix(k) and lora_partner(k) not in ctx.slot.trainable]
+        unpaired = [k for k in ctx.slot.trainable if lora_matrix(k) and lora_partner(k) not in ctx.slot.trainable]
+        if self.options.mask_score == "product" and unpaired:
+            raise ConfigError("strategy.mask_score", f"product needs both LoRA factors trainable; {unpaired[0]} "
+                              "has no trainable partner (use magnitude)")
+        if self.options.mask_granularity == "rank":
+            head = [k for k in ctx.slot.trainable if lora_matrix(k) is None]
             if unpaired:
-                raise ConfigError("strategy.mask_score", f"product needs both LoRA factors trainable; {unpaired[0]} "
-                                  "has no trainable partner (use magnitude)")
+                raise ConfigError("strategy.mask_granularity", f"rank keeps whole LoRA components; {unpaired[0]} "
+                                  "has no trainable partner (use entry)")
+            if head and not self.options.dense_head:
+                raise ConfigError("strategy.mask_granularity", f"rank keeps whole LoRA components and {head[0]} "
+                                  "has none: set strategy.dense_head to true or down (or use entry)")
         tiers = self.options.density_tiers
         if tiers and self.one_pattern:
             raise ConfigError("strategy.density_tiers", f"{self.name} prunes one pattern for every client; "
@@ -286,7 +358,10 @@ class Flasc(Algorithm):
         return weight_scores(self.maskable(state), self.options.mask_score, scale)
 
     def weight_masks(self, density: float) -> dict[str, torch.Tensor]:
-        """Top-``density`` of the dense weights by score (tensors without a mask stay whole)."""
+        """Top-``density`` of the dense weights by score, entries or whole rank components
+        (``mask_granularity``); tensors without a mask stay whole."""
+        if self.options.mask_granularity == "rank":
+            return rank_masks(self.scores(self.dense), density, self.options.mask_scope)
         return topk_masks(self.scores(self.dense), density, self.options.mask_scope)
 
     def tier(self, client: int) -> float:
@@ -323,6 +398,7 @@ class Flasc(Algorithm):
                 "up_density": self.up_density(round_idx) * tier,
                 "mask_scope": self.options.mask_scope,
                 "train_received_only": self.freeze_clients and masks is not None,
+                "mask_granularity": self.options.mask_granularity,
                 "dense_head": bool(self.options.dense_head),
                 "dense_head_up": self.options.dense_head is True,
             }
@@ -418,6 +494,9 @@ class AdapterLTH(SparseAdapter):
 
     def check_init(self) -> None:
         refuse_svd_init(self.cfg.adapter, f"{self.name}'s iterative pruning")
+        if self.options.mask_granularity == "rank":
+            raise ConfigError("strategy.mask_granularity", f"{self.name} prunes entries one by one "
+                              "(mask_granularity: entry)")
 
     def after_step(self, round_idx: int) -> None:
         if round_idx % self.options.prune_every == 0:
