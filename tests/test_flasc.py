@@ -382,25 +382,29 @@ def test_rank_masks_keep_whole_components() -> None:
     assert zeros[a1][:, 0].tolist() == [True, False, False, False]  # all 0: HetLoRA's first components
 
 
-def test_federated_select_rank_tiers_train_whole_components(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
-    """A tier-1/2 client gets the top half of every module's components and trains exactly those, B's
-    columns included while they are still 0 (an entry mask leaves such a B frozen)."""
+@pytest.mark.parametrize(("tier", "scope", "rows"), [(0.5, "per_tensor", 2), (0.125, "per_tensor", 1),
+                                                     (0.25, "global", None)])
+def test_federated_select_rank_tiers_train_whole_components(toy_files: tuple[Path, Path], tmp_path: Path,
+                                                            tier: float, scope: str, rows: int | None) -> None:
+    """A low-tier client gets the top components (of every module: at least one, even where r * tier < 1;
+    or over all modules), trains exactly those, B's columns included while they are still 0 (an entry
+    mask leaves such a B frozen), and uploads them whole."""
     train, eval_ = toy_files
     updates = {}
     for granularity in ("rank", "entry"):
         exp = prepare(build_config(flasc_raw(
             train, eval_, tmp_path / granularity, method="federated_select", down_density=1.0, up_density=1.0,
-            density_tiers=[0.5, 1.0], tier_assignment="modulo", dense_head=True, mask_granularity=granularity,
-            mask_scope="per_tensor")))
+            density_tiers=[tier, 1.0], tier_assignment="modulo", dense_head=True, mask_granularity=granularity,
+            mask_scope=scope)))
         algo = exp.algorithm
         low = algo.configure_train(1, [0], exp.initial_state)[0]
         lora = {k: v for k, v in algo.dense.items() if lora_matrix(k)}
         if granularity == "rank":
-            expected = rank_masks(weight_scores(lora, "magnitude", 2.0), 0.5, "per_tensor")
+            expected = rank_masks(weight_scores(lora, "magnitude", 2.0), tier, scope)
             for key in lora:
                 assert torch.equal(low.payload[key], algo.dense[key] * expected[key]), key
-                if lora_matrix(key) == "A":  # 2 of r = 4 rows arrive
-                    assert int((low.payload[key] != 0).any(dim=1).sum()) == 2
+                if lora_matrix(key) == "A" and rows is not None:  # of r = 4 rows
+                    assert int((low.payload[key] != 0).any(dim=1).sum()) == rows
         updates[granularity] = run_client(exp, low, 1, False).result.update
     update = updates["rank"]
     for key in lora:
@@ -414,9 +418,10 @@ def test_bad_rank_granularity_names_the_field(toy_files: tuple[Path, Path], tmp_
     train, eval_ = toy_files
     with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*dense_head"):
         prepare(build_config(flasc_raw(train, eval_, tmp_path / "h", down_density=0.5, mask_granularity="rank")))
-    with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*entries"):
-        prepare(build_config(flasc_raw(train, eval_, tmp_path / "l", method="adapter_lth", dense_head=True,
-                                       mask_granularity="rank")))
+    for dense_head in (True, False):  # the reason named first is the one that cannot be fixed by another field
+        with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*entries"):
+            prepare(build_config(flasc_raw(train, eval_, tmp_path / "l", method="adapter_lth", dense_head=dense_head,
+                                           mask_granularity="rank")))
     raw = flasc_raw(train, eval_, tmp_path / "ffa", dense_head=True, mask_granularity="rank")
     raw["adapter"]["kind"] = "ffa_lora"
     with pytest.raises(ConfigError, match=r"strategy\.mask_granularity.*partner"):

@@ -61,7 +61,8 @@ change what the weight masks (download, SparseAdapter's pattern, Adapter-LTH's p
   allows the server to adjust the structured sparsity mask associated with each client budget
   tier"; the paper gives no score, so the family's ``mask_score`` ranks the components). A freezing
   client trains the components whose row of A arrived nonzero, B's column with it, so a component
-  whose B is still 0 trains, where an entry mask would freeze that B. The head has no components:
+  whose B is still 0 trains, where an entry mask would freeze that B, and uploads them whole (the tier
+  bounds its update; only the base ``up_density`` cuts it further). The head has no components:
   ``rank`` needs ``dense_head`` (true or ``down``); Adapter-LTH prunes entries and refuses it.
 
 Systems heterogeneity (paper Sec. 4.4, Fig. 6): ``density_tiers`` (default none: every client at
@@ -303,6 +304,7 @@ class Flasc(Algorithm):
     name = "flasc"
     freeze_clients: ClassVar[bool] = False
     one_pattern: ClassVar[bool] = False  # the pruning baselines: one mask for every client, no tiers
+    prunes_entries: ClassVar[bool] = False  # Adapter-LTH: entry by entry, so no rank-component masks
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)
@@ -313,6 +315,9 @@ class Flasc(Algorithm):
                               "has no trainable partner (use magnitude)")
         if self.options.mask_granularity == "rank":
             head = [k for k in ctx.slot.trainable if lora_matrix(k) is None]
+            if self.prunes_entries:
+                raise ConfigError("strategy.mask_granularity", f"{self.name} prunes entries one by one "
+                                  "(mask_granularity: entry)")
             if unpaired:
                 raise ConfigError("strategy.mask_granularity", f"rank keeps whole LoRA components; {unpaired[0]} "
                                   "has no trainable partner (use entry)")
@@ -393,9 +398,13 @@ class Flasc(Algorithm):
         by_tier: dict[float, tuple[State, dict[str, Any], dict[str, Any]]] = {}
         for tier in set(tiers) or {1.0}:  # an empty round still logs the base download
             masks = self.download_masks(round_idx, tier)
+            # a freezing client under rank masks trains whole received components: its tier already bounds
+            # its update, and an entry top-k at the tier's fraction would cut components through the middle
+            # (keep_count keeps at least one component; global masks need not hold the tier's entry share)
+            whole = self.freeze_clients and masks is not None and self.options.mask_granularity == "rank"
             config = {
                 **self.strategy.client_config(),
-                "up_density": self.up_density(round_idx) * tier,
+                "up_density": self.up_density(round_idx) * (1.0 if whole else tier),
                 "mask_scope": self.options.mask_scope,
                 "train_received_only": self.freeze_clients and masks is not None,
                 "mask_granularity": self.options.mask_granularity,
@@ -491,12 +500,10 @@ class AdapterLTH(SparseAdapter):
     """Adapter LTH (Wu and Chen 2022) per FLASC App. A: iterative magnitude pruning, fine-tuning variant."""
 
     name = "adapter_lth"
+    prunes_entries = True
 
     def check_init(self) -> None:
         refuse_svd_init(self.cfg.adapter, f"{self.name}'s iterative pruning")
-        if self.options.mask_granularity == "rank":
-            raise ConfigError("strategy.mask_granularity", f"{self.name} prunes entries one by one "
-                              "(mask_granularity: entry)")
 
     def after_step(self, round_idx: int) -> None:
         if round_idx % self.options.prune_every == 0:
