@@ -106,14 +106,7 @@ from fedpeft.adapters.federa import refuse_svd_init
 from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.federated.algorithm import Algorithm, MethodContext, register_algorithm
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
-from fedpeft.federated.sparse_codec import (
-    Scope,
-    apply_masks,
-    keep_count,
-    topk_flat_mask,
-    topk_masks,
-    topk_sparsify,
-)
+from fedpeft.federated.sparse_codec import Scope, apply_masks, keep_count, topk_masks, topk_sparsify
 from fedpeft.federated.strategy.fedadamw import validate_options
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.methods.federa import lora_matrix
@@ -207,18 +200,11 @@ def rank_masks(scores: State, density: float, scope: Scope = "global") -> dict[s
     Ties go to the lower index, so while every score is 0 (``product`` with B = 0) a pair keeps its
     first components, HetLoRA's slice. ``scores`` holds LoRA tensors only, each A with its B.
     """
-    pairs = sorted(k for k in scores if lora_matrix(k) == "A")
-    component = {a: scores[a].sum(dim=1) + scores[lora_partner(a)].sum(dim=0) for a in pairs}
-    if scope == "per_tensor":
-        keep = {a: topk_flat_mask(component[a], density) for a in pairs}
-    else:
-        flat = topk_flat_mask(torch.cat([component[a] for a in pairs]), density) if pairs else torch.zeros(0)
-        keep, start = {}, 0
-        for a in pairs:
-            keep[a] = flat[start : start + component[a].numel()]
-            start += component[a].numel()
+    component = {a: scores[a].sum(dim=1) + scores[lora_partner(a)].sum(dim=0)
+                 for a in scores if lora_matrix(a) == "A"}
+    keep = topk_masks(component, density, scope)  # one score per component, ranked as entries are
     masks = {}
-    for a in pairs:
+    for a in keep:
         b = lora_partner(a)
         masks[a] = keep[a][:, None].expand(scores[a].shape).clone()
         masks[b] = keep[a][None, :].expand(scores[b].shape).clone()
@@ -237,12 +223,12 @@ def received_masks(payload: State, dense_head: bool, granularity: str) -> dict[s
         kind = lora_matrix(key)
         if kind is None and dense_head:
             continue
-        if granularity == "rank" and kind == "A":
+        if granularity == "entry" or kind is None:
+            masks[key] = value != 0
+        elif kind == "A":  # B's mask follows its A's rows
             rows = (value != 0).any(dim=1)
             masks[key] = rows[:, None].expand(value.shape)
             masks[lora_partner(key)] = rows[None, :].expand(payload[lora_partner(key)].shape)
-        elif not (granularity == "rank" and kind == "B"):
-            masks[key] = value != 0
     return masks
 
 
