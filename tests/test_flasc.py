@@ -15,6 +15,7 @@ from fedpeft.federated.types import ClientResult
 from fedpeft.methods.federa import lora_matrix
 from fedpeft.methods.flasc import (
     group_fractions,
+    lora_partner,
     magnitude_prune,
     rank_masks,
     scheduled_density,
@@ -412,6 +413,67 @@ def test_federated_select_rank_tiers_train_whole_components(toy_files: tuple[Pat
         assert torch.equal(moved, expected[key]), key  # exactly the received components, B's zero columns too
     assert all(bool(update[k].any()) for k in update if lora_matrix(k) is None)  # the dense head trains
     assert not any(bool(updates["entry"][k].any()) for k in lora if lora_matrix(k) == "B")
+
+
+def test_rank_masks_over_product_scores() -> None:
+    """Under ``product`` a component scores s (|A_k|_1 |B_:k|_2 + |B_:k|_1 |A_k|_2), its share of B A;
+    magnitude ranks the raw entries and here keeps the other component."""
+    a, b = "m.q.lora_A.default.weight", "m.q.lora_B.default.weight"
+    state = {a: torch.tensor([[3.0, -4.0], [10.0, 0.0]]),  # rows: L1 7, 10; L2 5, 10
+             b: torch.tensor([[1.0, 0.0], [0.0, 0.1]])}  # columns: L1 = L2 = 1, 0.1
+    # product: 2 (7 * 1 + 1 * 5) = 24 against 2 (10 * 0.1 + 0.1 * 10) = 4; magnitude: 8 against 10.1
+    product = weight_scores(state, "product", 2.0)
+    torch.testing.assert_close(product[a].sum(dim=1) + product[b].sum(dim=0), torch.tensor([24.0, 4.0]))
+    assert rank_masks(product, 0.5, "per_tensor")[a][:, 0].tolist() == [True, False]
+    assert rank_masks(weight_scores(state, "magnitude", 2.0), 0.5, "per_tensor")[a][:, 0].tolist() == [False, True]
+
+
+def test_rank_product_tiers_start_from_hetlora_s_slice(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """With B = 0 every product score is 0, so a low tier first receives each module's first components
+    (HetLoRA's top-left slice); once B has moved the server's choice follows B A."""
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "p", method="federated_select", down_density=1.0, up_density=1.0,
+                    density_tiers=[0.5, 1.0], tier_assignment="modulo", dense_head=True, mask_granularity="rank",
+                    mask_scope="per_tensor", mask_score="product")
+    exp = prepare(build_config(raw))
+    algo = exp.algorithm
+    low = algo.configure_train(1, [0], exp.initial_state)[0]
+    a_keys = [k for k in algo.dense if lora_matrix(k) == "A"]
+    for key in a_keys:
+        assert (low.payload[key] != 0).any(dim=1).tolist() == [True, True, False, False], key
+    raw["rounds"] = 3
+    engine = LocalEngine(prepare(build_config(raw)), tmp_path / "p")
+    engine.run()
+    algo = engine.exp.algorithm
+    lora = {k: v for k, v in algo.dense.items() if lora_matrix(k)}
+    later = algo.configure_train(4, [0], engine.exp.initial_state)[0]
+    expected = rank_masks(weight_scores(lora, "product", 2.0), 0.5, "per_tensor")
+    for key in lora:
+        assert torch.equal(later.payload[key], algo.dense[key] * expected[key]), key
+    assert any(expected[k][:, 0].tolist() != [True, True, False, False] for k in a_keys)  # no longer the slice
+
+
+def test_sparse_adapter_rank_mask_prunes_whole_components(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """SparseAdapter under rank masks: after its dense round it keeps half of every module's components
+    (rows of A with their columns of B), which stay the only LoRA entries that are nonzero and train."""
+    train, eval_ = toy_files
+    raw = flasc_raw(train, eval_, tmp_path / "s", method="sparse_adapter", down_density=0.5, dense_rounds=1,
+                    dense_head=True, mask_granularity="rank", mask_scope="per_tensor")
+    raw["rounds"] = 3
+    engine = LocalEngine(prepare(build_config(raw)), tmp_path / "s")
+    records = engine.run()
+    algo = engine.exp.algorithm
+    assert records[0]["method"]["mask_kept"] == {"lora_A": 0.5, "lora_B": 0.5, "head": 1.0}
+    chosen = {k: m.clone() for k, m in algo.mask.items()}
+    for key, mask in chosen.items():
+        if lora_matrix(key) == "A":
+            rows = mask[:, 0]
+            assert torch.equal(mask, rows[:, None].expand_as(mask)) and int(rows.sum()) == 2
+            assert torch.equal(chosen[lora_partner(key)], rows[None, :].expand_as(chosen[lora_partner(key)]))
+    for key, mask in chosen.items():
+        assert not algo.dense[key][~mask].any(), key  # pruned components stay 0
+        assert bool(algo.dense[key][mask].all()), key  # kept ones (B's columns too) have moved off 0
+    assert records[2]["method"]["up_kept"]["lora_B"] <= 0.5
 
 
 def test_bad_rank_granularity_names_the_field(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
