@@ -65,6 +65,17 @@ def test_yaml_and_overrides(tmp_path: Path) -> None:
         ({"method": "flasc", "partition": {"num_clients": 100},
           "strategy": {"clients_per_round": 10, "dp_clip_norm": 0.01, "dp_simulated_cohort": 1000}},
          "strategy.dp_simulated_cohort", "exceeds the 100 clients"),
+        # the strategy and adapter sections allow their readers' own fields, and no field nothing reads
+        ({"method": "flasc", "strategy": {"down_densty": 0.5}}, "strategy.down_densty", "did you mean 'down_density'"),
+        ({"method": "lora", "strategy": {"density_tiers": [0.5, 1.0]}}, "strategy.density_tiers",
+         "unknown field for method 'lora' with strategy 'fedavg'"),
+        ({"method": "flasc", "strategy": {"name": "fedavg", "weight_decay": 0.1}}, "strategy.weight_decay",
+         "unknown field"),  # FedAdamW's, not FedAvg's
+        ({"method": "federa", "adapter": {"svd_absorb_scal": True}}, "adapter.svd_absorb_scal",
+         "did you mean 'svd_absorb_scale'"),
+        ({"method": "lora", "adapter": {"svd_absorb_scale": True}}, "adapter.svd_absorb_scale", "(init 'kaiming')"),
+        ({"method": "prompt_tuning", "adapter": {"num_virtual_token": 8}}, "adapter.num_virtual_token",
+         "did you mean 'num_virtual_tokens'"),
     ],
 )
 def test_bad_values_name_the_field(raw: dict, field: str, hint: str) -> None:
@@ -72,6 +83,12 @@ def test_bad_values_name_the_field(raw: dict, field: str, hint: str) -> None:
         build_config(raw)
     assert info.value.field == field
     assert hint in str(info.value)
+
+
+def test_a_recipe_default_the_users_choice_does_not_read_is_no_error() -> None:
+    """FLASC's recipe sets FedAdamW's weight_decay; a user who switches to FedAvg did not write it."""
+    cfg = build_config({"method": "flasc", "strategy": {"name": "fedavg", "down_density": 0.25}})
+    assert cfg.strategy.model_extra["weight_decay"] == 0.01 and cfg.strategy.model_extra["down_density"] == 0.25
 
 
 def test_bad_override_syntax() -> None:
@@ -120,3 +137,5 @@ def test_unknown_adapter_and_strategy(toy_files: tuple[Path, Path], tmp_path: Pa
         _prepare(tiny_raw_config(train, eval_, tmp_path / "r2", strategy={"name": "fedmagic"}))
     with pytest.raises(ConfigError, match=r"task\.name"):
         _prepare(tiny_raw_config(train, eval_, tmp_path / "r3", task={"name": "sst3"}))
+    with pytest.raises(ConfigError, match=r"codec\.up\.densty: unknown field; the dense codec"):
+        _prepare(tiny_raw_config(train, eval_, tmp_path / "r4", codec={"up": {"kind": "dense", "densty": 0.1}}))

@@ -9,7 +9,9 @@ training starts; a bad value raises :class:`ConfigError` naming the field and wh
 from __future__ import annotations
 
 import copy
+import difflib
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -580,6 +582,25 @@ def _format_validation_error(err: ValidationError) -> ConfigError:
     return ConfigError(field, message)
 
 
+def refuse_unread(section: str, given: set[str], extra: dict[str, Any], models: Sequence[type[BaseModel]],
+                  owner: str, common: Iterable[str]) -> None:
+    """Refuse a field of ``section`` that the user ``given`` and none of its readers' ``models`` names.
+
+    The ``strategy`` and ``adapter`` sections allow extra fields because each method, strategy or
+    adapter validates its own; without this a misspelt or misplaced one (``down_densty``, FLASC's
+    ``density_tiers`` on LoRA) would be ignored and the run silently be another experiment. A recipe's
+    default that the user's choice no longer reads (FedAdamW's ``weight_decay`` after ``name: fedavg``)
+    is not the user's error, so only ``given`` fields are checked.
+    """
+    own = sorted({field for model in models for field in model.model_fields})
+    for key in extra:
+        if key in given and key not in own:
+            close = difflib.get_close_matches(key, [*own, *common], n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            listed = ", ".join(own) if own else "none beyond the common ones"
+            raise ConfigError(f"{section}.{key}", f"unknown field for {owner}; {hint}its own fields: {listed}")
+
+
 def _checks_hardware(info: ValidationInfo) -> bool:
     return not (info.context or {}).get("elsewhere", False)
 
@@ -600,9 +621,17 @@ def build_config(raw: dict[str, Any], *, here: bool = True) -> ExperimentConfig:
     merged = deep_merge(deep_merge(defaults, preset_sections(raw)), raw)
     merged["method"] = method
     try:
-        return ExperimentConfig.model_validate(merged, context={"elsewhere": not here})
+        cfg = ExperimentConfig.model_validate(merged, context={"elsewhere": not here})
     except ValidationError as err:
         raise _format_validation_error(err) from None
+    if here:  # a config that already ran is read as it ran
+        import fedpeft.methods  # noqa: F401  (registers the algorithms)
+        from fedpeft.adapters.base import check_adapter_fields
+        from fedpeft.federated.algorithm import check_strategy_fields
+
+        check_strategy_fields(cfg, recipe.algorithm, set(raw.get("strategy") or {}))
+        check_adapter_fields(cfg.adapter, set(raw.get("adapter") or {}))
+    return cfg
 
 
 def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:

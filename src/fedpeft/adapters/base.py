@@ -11,16 +11,25 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+from pydantic import BaseModel
 from torch import nn
 
-from fedpeft.config import AdapterConfig, ConfigError
+from fedpeft.config import AdapterConfig, ConfigError, refuse_unread
 from fedpeft.models.backbone import HEAD_MODULE_NAMES, Backbone
 
 
 class Adapter(ABC):
-    """Base class. Subclasses set ``kind`` and implement :meth:`inject`."""
+    """Base class. Subclasses set ``kind`` and implement :meth:`inject`; ``adapter_options`` are the
+    models of their own ``adapter.*`` fields (the section allows extras for them)."""
 
     kind: ClassVar[str]
+    adapter_options: ClassVar[tuple[type[BaseModel], ...]] = ()
+
+    @classmethod
+    def option_models(cls, cfg: AdapterConfig) -> tuple[type[BaseModel], ...]:
+        """What reads ``cfg``'s extra fields (an adapter whose options depend on another field overrides it)."""
+        del cfg
+        return cls.adapter_options
 
     def __init__(self, cfg: AdapterConfig) -> None:
         self.cfg = cfg
@@ -64,6 +73,14 @@ ADAPTERS: dict[str, type[Adapter]] = {}
 def register_adapter(cls: type[Adapter]) -> type[Adapter]:
     ADAPTERS[cls.kind] = cls
     return cls
+
+
+def check_adapter_fields(cfg: AdapterConfig, given: set[str]) -> None:
+    """Refuse an ``adapter.*`` field the user ``given`` that the adapter does not read
+    (:func:`fedpeft.config.refuse_unread`)."""
+    if cfg.kind in ADAPTERS:  # an unknown kind is named by build_adapter
+        refuse_unread("adapter", given, cfg.model_extra or {}, ADAPTERS[cfg.kind].option_models(cfg),
+                      f"adapter {cfg.kind!r} (init {cfg.init!r})", AdapterConfig.model_fields)
 
 
 def build_adapter(cfg: AdapterConfig) -> Adapter:

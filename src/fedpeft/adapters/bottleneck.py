@@ -226,6 +226,7 @@ class HoulsbyAdapter(Adapter):
     """Dense Houlsby bottleneck adapters (recipe ``adapter``): the baseline FedTT tensorizes."""
 
     kind: ClassVar[str] = "houlsby"
+    adapter_options = (BottleneckOptions,)
 
     def __init__(self, cfg: AdapterConfig) -> None:
         super().__init__(cfg)

@@ -34,7 +34,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from fedpeft.adapters.lora import LORA_INITS
+from fedpeft.adapters.lora import LORA_INIT_OPTIONS, LORA_INITS
 from fedpeft.config import AdapterConfig, ConfigError
 from fedpeft.models.backbone import Backbone
 from fedpeft.seeding import single_thread
@@ -91,6 +91,7 @@ def apply_svd_init(backbone: Backbone, cfg: AdapterConfig) -> None:
 
 
 LORA_INITS["svd"] = apply_svd_init
+LORA_INIT_OPTIONS["svd"] = SvdInitOptions
 
 
 def refuse_svd_init(cfg: AdapterConfig, masking: str) -> None:

@@ -45,6 +45,7 @@ def ia3_config(cfg: AdapterConfig, backbone: Backbone) -> IA3Config:
 @register_adapter
 class Ia3Adapter(Adapter):
     kind = "ia3"
+    adapter_options = (Ia3Options,)
 
     def inject(self, backbone: Backbone) -> None:
         try:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from pydantic import BaseModel
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -26,6 +27,7 @@ from fedpeft.models.backbone import Backbone
 LoraInit = Callable[[Backbone, AdapterConfig], None]
 PEFT_INITS: dict[str, bool | str] = {"kaiming": True, "gaussian": "gaussian"}
 LORA_INITS: dict[str, LoraInit] = {}
+LORA_INIT_OPTIONS: dict[str, type[BaseModel]] = {}  # the extra ``adapter.*`` fields an init reads
 
 
 ATTENTION_NAMINGS: tuple[tuple[str, ...], ...] = (
@@ -74,6 +76,10 @@ def lora_config(cfg: AdapterConfig, backbone: Backbone) -> LoraConfig:
 @register_adapter
 class LoraAdapter(Adapter):
     kind = "lora"
+
+    @classmethod
+    def option_models(cls, cfg: AdapterConfig) -> tuple[type[BaseModel], ...]:
+        return (LORA_INIT_OPTIONS[cfg.init],) if cfg.init in LORA_INIT_OPTIONS else ()
 
     def inject(self, backbone: Backbone) -> None:
         allowed = sorted({*PEFT_INITS, *LORA_INITS})

@@ -262,6 +262,7 @@ class PTuningV2Adapter(Adapter):
     """Deep prompts (prefix keys/values) in every self-attention layer; ``adapter.dropout`` on the prefix."""
 
     kind = "p_tuning_v2"
+    adapter_options = (_PromptOptions,)
 
     def __init__(self, cfg: AdapterConfig) -> None:
         super().__init__(cfg)
@@ -284,6 +285,7 @@ class PromptTuningAdapter(Adapter):
     """An input soft prompt of ``adapter.num_virtual_tokens`` vectors (init ``adapter.prompt_init``)."""
 
     kind = "prompt_tuning"
+    adapter_options = (_PromptOptions,)
 
     def __init__(self, cfg: AdapterConfig) -> None:
         super().__init__(cfg)

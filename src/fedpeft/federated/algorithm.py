@@ -18,12 +18,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
-from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.config import ConfigError, ExperimentConfig, StrategyConfig, refuse_unread
 from fedpeft.data.types import TaskData
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
 from fedpeft.federated.selection import build_selector
-from fedpeft.federated.strategy import build_strategy
+from fedpeft.federated.strategy import STRATEGIES, build_strategy
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.backbone import Backbone
 from fedpeft.models.encoding import EncodedData
@@ -48,11 +49,14 @@ class Algorithm:
     (all of them when it aggregates through the strategy); any other is rejected up front.
     ``server_dp`` says whether it aggregates through ``strategy.aggregate``, where the server's DP
     (FedAdamW's clipping and noise) happens; a method that does not refuses a DP strategy.
+    ``strategy_options`` are the models of the method's own ``strategy.*`` fields (the section allows
+    extras for them; :func:`check_strategy_fields` refuses any that no model names).
     """
 
     name: ClassVar[str] = "default"
     robust_aggregations: ClassVar[tuple[str, ...]] = ("none", "clip", "median", "trimmed_mean")
     server_dp: ClassVar[bool] = True
+    strategy_options: ClassVar[tuple[type[BaseModel], ...]] = ()
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         if cfg.strategy.robust not in self.robust_aggregations:
@@ -127,6 +131,16 @@ ALGORITHMS: dict[str, type[Algorithm]] = {"default": Algorithm}
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
     ALGORITHMS[cls.name] = cls
     return cls
+
+
+def check_strategy_fields(cfg: ExperimentConfig, algorithm: str, given: set[str]) -> None:
+    """Refuse a ``strategy.*`` field the user ``given`` that neither the method's algorithm nor the
+    strategy reads (:func:`fedpeft.config.refuse_unread`)."""
+    if algorithm not in ALGORITHMS or cfg.strategy.name not in STRATEGIES:
+        return  # an unknown algorithm or strategy is named by its own error
+    models = (*ALGORITHMS[algorithm].strategy_options, *STRATEGIES[cfg.strategy.name].strategy_options)
+    refuse_unread("strategy", given, cfg.strategy.model_extra or {}, models,
+                  f"method {cfg.method!r} with strategy {cfg.strategy.name!r}", StrategyConfig.model_fields)
 
 
 def build_algorithm(name: str, cfg: ExperimentConfig, ctx: MethodContext) -> Algorithm:

@@ -52,8 +52,12 @@ class Codec:
     """Dense codec: every tensor sent in full, cast to the wire dtype; decoded back to fp32."""
 
     kind: ClassVar[str] = "dense"
+    has_options: ClassVar[bool] = False  # reads extra ``codec.<dir>.*`` fields (and validates them itself)
 
     def __init__(self, cfg: DirectionCodecConfig, direction: str = "up", schema: Schema | None = None) -> None:
+        if cfg.model_extra and not self.has_options:
+            raise ConfigError(f"codec.{direction}.{next(iter(cfg.model_extra))}",
+                              f"unknown field; the {self.kind} codec reads only kind, dtype, density and pack")
         self.cfg = cfg
         self.direction = direction  # "down" or "up": lets a codec name its own config fields in errors
         self.wire_dtype = WIRE_DTYPES[cfg.dtype]

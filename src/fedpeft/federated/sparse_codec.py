@@ -123,6 +123,7 @@ class TopKCodec(Codec):
     """
 
     kind = "topk"
+    has_options = True
 
     def __init__(self, cfg: DirectionCodecConfig, direction: str = "up") -> None:
         super().__init__(cfg, direction)

@@ -83,6 +83,7 @@ class FedTTPlus(Algorithm):
     """Alg. 2: per round, G_1, G_r, G_J of every TT adapter layer (+ the head) train and go up."""
 
     name = "fedtt_plus"
+    strategy_options = (FedTTPlusOptions,)
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         super().__init__(cfg, ctx)

@@ -288,6 +288,7 @@ class Flasc(Algorithm):
     """FLASC (Alg. 1): sparse download of dense server weights, dense local training, sparse upload."""
 
     name = "flasc"
+    strategy_options = (SparsityOptions,)
     freeze_clients: ClassVar[bool] = False
     one_pattern: ClassVar[bool] = False  # the pruning baselines: one mask for every client, no tiers
     prunes_entries: ClassVar[bool] = False  # Adapter-LTH: entry by entry, so no rank-component masks

@@ -118,13 +118,8 @@ class HeadPruneOptions(BaseModel):
 
     @classmethod
     def from_strategy(cls, cfg: StrategyConfig) -> HeadPruneOptions:
-        extra = cfg.model_extra or {}
-        for key in extra:  # the strategy section allows extras: catch misspellings of ours
-            if key.startswith(("head_", "importance_", "pruning_", "aggregation_")) and key not in cls.model_fields:
-                allowed = ", ".join(cls.model_fields)
-                raise ConfigError(f"strategy.{key}", f"unknown head-pruning option; allowed: {allowed}")
-        try:
-            return cls.model_validate(extra)
+        try:  # a misspelt field never gets here: build_config's check_strategy_fields refuses it
+            return cls.model_validate(cfg.model_extra or {})
         except ValidationError as err:
             first = err.errors()[0]
             field = ".".join(str(p) for p in first["loc"])
@@ -235,6 +230,7 @@ class HeadPruning(Algorithm):
     """FedAvg-LoRA with per-client head pruning (Eq. 6-7), sparse upload and Eq. 8 aggregation."""
 
     name = "headprune"
+    strategy_options = (HeadPruneOptions,)
     robust_aggregations = ("none", "clip")  # Eq. 8 weights heads by importance: no median / trimmed mean
     server_dp = False  # Eq. 8 + the strategy's step, not strategy.aggregate
 

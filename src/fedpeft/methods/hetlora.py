@@ -91,6 +91,7 @@ def pad_lora(state: State, shapes: dict[str, torch.Size]) -> State:
 @register_algorithm
 class HetLora(LoraFedAvg):
     name = "hetlora"
+    strategy_options = (HetLoraOptions,)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

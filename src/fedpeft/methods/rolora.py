@@ -40,6 +40,7 @@ def trained_matrix(round_idx: int, first: str) -> str:
 @register_algorithm
 class RoLora(LoraFedAvg):
     name = "rolora"
+    strategy_options = (RoLoraOptions,)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

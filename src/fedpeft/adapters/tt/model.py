@@ -55,6 +55,7 @@ class TTAdapter(Adapter):
     """Tensorized bottleneck adapters (kind ``tt``): recipes ``fedtt`` and ``fedtt_plus``."""
 
     kind: ClassVar[str] = "tt"
+    adapter_options = (TTOptions,)
 
     def __init__(self, cfg: AdapterConfig) -> None:
         super().__init__(cfg)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+from pydantic import BaseModel
 
 from fedpeft.config import ConfigError, StrategyConfig
 from fedpeft.federated.types import ClientResult, State
@@ -34,6 +35,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     default_weighting: ClassVar[str] = "samples"
+    strategy_options: ClassVar[tuple[type[BaseModel], ...]] = ()  # its own ``strategy.*`` fields
 
     def __init__(self, cfg: StrategyConfig) -> None:
         self.cfg = cfg

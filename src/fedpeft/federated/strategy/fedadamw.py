@@ -106,6 +106,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torc
 class FedAdamW(Strategy):
     name = "fedadamw"
     default_weighting = "uniform"
+    strategy_options = (FedAdamWOptions,)
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)

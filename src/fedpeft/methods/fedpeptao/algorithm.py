@@ -139,6 +139,7 @@ def parse_options(cfg: ExperimentConfig) -> FedPepTAOOptions:
 @register_algorithm
 class FedPepTAO(Algorithm):
     name = "fedpeptao"
+    strategy_options = (FedPepTAOOptions,)
     robust_aggregations = ("none", "clip")  # Alg. 2's control variates need each device's own delta
     server_dp = False  # Alg. 2's own server step
 
