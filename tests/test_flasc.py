@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpeft.config import ConfigError, build_config
+from fedpeft.config import ConfigError, DirectionCodecConfig, build_config
 from fedpeft.engines.local import LocalEngine, run_client
 from fedpeft.experiment import prepare
-from fedpeft.federated.sparse_codec import keep_count, topk_sparsify
+from fedpeft.federated.codec import build_codec
+from fedpeft.federated.sparse_codec import apply_masks, keep_count, topk_sparsify
 from fedpeft.federated.types import ClientResult
 from fedpeft.methods.federa import lora_matrix
 from fedpeft.methods.flasc import (
@@ -451,6 +452,33 @@ def test_rank_product_tiers_start_from_hetlora_s_slice(toy_files: tuple[Path, Pa
     for key in lora:
         assert torch.equal(later.payload[key], algo.dense[key] * expected[key]), key
     assert any(expected[k][:, 0].tolist() != [True, True, False, False] for k in a_keys)  # no longer the slice
+
+
+def test_rank_masks_travel_as_zero_slices(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """Whole components are zero rows of A and zero columns of B, which the ``zero_slices`` codec names
+    with one bit each instead of the ``topk`` codec's bitmask over every entry: the same run (lossless),
+    and at MiniLM's width (r = 16 x 384) a 1/16 tier's message is smaller."""
+    train, eval_ = toy_files
+    records = {}
+    for codec in ("topk", "zero_slices"):
+        raw = flasc_raw(train, eval_, tmp_path / codec, method="federated_select", down_density=1.0, up_density=1.0,
+                        density_tiers=[0.25, 1.0], tier_assignment="modulo", dense_head=True,
+                        mask_granularity="rank", mask_scope="per_tensor")
+        raw["codec"] = {"down": {"kind": codec}, "up": {"kind": codec}}
+        records[codec] = LocalEngine(prepare(build_config(raw)), tmp_path / codec).run()
+    for topk, zs in zip(records["topk"], records["zero_slices"], strict=True):
+        assert zs["train_loss"] == topk["train_loss"] and zs["eval"] == topk["eval"]
+    a, b = "m.q.lora_A.default.weight", "m.q.lora_B.default.weight"
+    state = {a: torch.randn(16, 384), b: torch.randn(384, 16)}
+    payload = apply_masks(state, rank_masks(weight_scores(state, "magnitude", 1.0), 0.0625, "per_tensor"))
+    sizes = {}
+    for kind in ("topk", "zero_slices"):
+        codec = build_codec(DirectionCodecConfig(kind=kind), "down")
+        message = codec.encode(payload)
+        assert all(torch.equal(v, payload[k]) for k, v in codec.decode(message).items())
+        sizes[kind] = len(message)
+    values = 2 * 384 * 4  # one component: a row of A and a column of B in fp32
+    assert values < sizes["zero_slices"] < values + 600 < sizes["topk"]  # topk's bitmask alone is 1,536 bytes
 
 
 def test_sparse_adapter_rank_mask_prunes_whole_components(toy_files: tuple[Path, Path], tmp_path: Path) -> None:
