@@ -89,6 +89,7 @@ def test_a_recipe_default_the_users_choice_does_not_read_is_no_error() -> None:
     """FLASC's recipe sets FedAdamW's weight_decay; a user who switches to FedAvg did not write it."""
     cfg = build_config({"method": "flasc", "strategy": {"name": "fedavg", "down_density": 0.25}})
     assert cfg.strategy.model_extra["weight_decay"] == 0.01 and cfg.strategy.model_extra["down_density"] == 0.25
+    assert build_config(cfg.model_dump(mode="json")) == cfg  # nor when the resolved config is read back
 
 
 def test_bad_override_syntax() -> None:

@@ -629,9 +629,16 @@ def build_config(raw: dict[str, Any], *, here: bool = True) -> ExperimentConfig:
         from fedpeft.adapters.base import check_adapter_fields
         from fedpeft.federated.algorithm import check_strategy_fields
 
-        check_strategy_fields(cfg, recipe.algorithm, set(raw.get("strategy") or {}))
-        check_adapter_fields(cfg.adapter, set(raw.get("adapter") or {}))
+        check_strategy_fields(cfg, recipe.algorithm, _given(raw, defaults, "strategy"))
+        check_adapter_fields(cfg.adapter, _given(raw, defaults, "adapter"))
     return cfg
+
+
+def _given(raw: dict[str, Any], defaults: dict[str, Any], section: str) -> set[str]:
+    """The fields of ``raw[section]`` the user chose: those that do not repeat the recipe's default (a
+    resolved config read back, such as a tune's ``best.yaml``, holds every default)."""
+    theirs = defaults.get(section) or {}
+    return {key for key, value in (raw.get(section) or {}).items() if key not in theirs or theirs[key] != value}
 
 
 def load_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
