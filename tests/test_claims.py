@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from fedpeft.claims import (
     CONFIRMED,
@@ -173,3 +176,53 @@ def test_a_claim_reading_a_cell_where_the_baseline_did_not_learn_is_not_reached(
     assert "the check alone says: confirmed" in cell[0]["why"]  # 0.23 < 0.31 would have passed
     learned = [*collapsed[:2], row("a0.1", "lora", 0.74), row("a0.1", "federa", 0.82)]
     assert judge_claims(sweep, learned, ceilings)[0]["cells"][0]["verdict"] == "confirmed"  # 0.01 < 0.08
+
+
+def test_a_check_reads_the_centralised_ceiling() -> None:
+    """``ceiling.best`` is the task's centralised run with its interval; seed by seed it counts at its mean.
+    lora: 0.80, 0.82, 0.84 (mean 0.82, t(2) half-width 4.303 * 0.02 / sqrt(3) = 0.0497); the ceiling 0.88
+    [0.86, 0.90], 90% of it 0.792 [0.774, 0.810]: lora's [0.770, 0.870] straddles it, seed by seed the gaps
+    0.008, 0.028, 0.048 (mean 0.028, half-width 0.0497) too; at 80% (0.704) every end clears it."""
+    from types import SimpleNamespace
+
+    from fedpeft.metrics.results import judge_claims
+    from fedpeft.sweep import ClaimSpec
+
+    finals = [0.80, 0.82, 0.84]
+    half = t_halfwidth(finals)
+    rows = [{"task": "mpqa", "partition": "d0.5", "method": "lora", "seed": seed, "final_metric": final}
+            for seed, final in enumerate(finals)]
+    summary = [{"task": "mpqa", "partition": "d0.5", "method": "lora", "final_metric": 0.82,
+                "final_metric_ci": [0.82 - half, 0.82 + half]}]
+    ceilings = [{"task": "mpqa", "best_metric": 0.88, "best_metric_ci": [0.86, 0.90]}]
+
+    def verdicts(check: str) -> tuple[str, str, dict]:
+        sweep = SimpleNamespace(spec=SimpleNamespace(claims=[ClaimSpec(id="c", claim="x", check=check)]))
+        cell = judge_claims(sweep, summary, ceilings, rows)[0]["cells"][0]
+        return cell["verdict"], cell["paired"]["verdict"], cell["values"]
+
+    verdict, paired, values = verdicts("lora.final >= 0.9 * ceiling.best")
+    assert (verdict, paired) == (WITHIN_NOISE, WITHIN_NOISE)
+    assert values == pytest.approx({"lora.final": 0.82, "ceiling.best": 0.88})
+    assert verdicts("lora.final >= 0.8 * ceiling.best")[:2] == (CONFIRMED, CONFIRMED)
+    assert verdicts("lora.final >= ceiling.best + 0.1")[:2] == (REFUTED, REFUTED)
+    no_ceiling = SimpleNamespace(spec=SimpleNamespace(claims=[ClaimSpec(id="c", claim="x",
+                                                                        check="lora.final >= ceiling.best")]))
+    cell = judge_claims(no_ceiling, summary, [], rows)[0]["cells"][0]
+    assert cell["verdict"] == NOT_REACHED and "mpqa has no centralised ceiling" in cell["why"]
+
+
+def test_ceiling_is_a_reserved_name_and_needs_a_ceiling_block(tmp_path: Path) -> None:
+    from fedpeft.sweep import load_sweep
+
+    body = {"base": {"model": {"name": "tiny-bert"}, "task": {"name": "sst2"}}, "methods": {"lora": {"method": "lora"}},
+            "claims": [{"id": "c", "claim": "x", "check": "lora.final >= 0.9 * ceiling.best"}]}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.check.*no ceiling: block"):
+        load_sweep(path)
+    path.write_text(yaml.safe_dump({**body, "ceiling": {"method": "lora", "rounds": 1}}))
+    assert load_sweep(path).spec.claims[0].check == "lora.final >= 0.9 * ceiling.best"
+    path.write_text(yaml.safe_dump({**body, "methods": {"ceiling": {"method": "lora"}}, "claims": []}))
+    with pytest.raises(ConfigError, match="name the method otherwise"):
+        load_sweep(path)

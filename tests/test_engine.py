@@ -32,6 +32,31 @@ def test_tiny_model_learns_separable_task(toy_files: tuple[Path, Path], tmp_path
     assert max(accuracies[-3:]) >= 0.75, accuracies  # chance is 0.5 on 64 balanced examples
 
 
+def test_a_run_that_has_not_learned_says_so_and_what_to_try(toy_files: tuple[Path, Path], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The toy eval split is balanced (32 of 64 per class): 0.5 + 2 * sqrt(0.25 / 64) = 0.625 is the majority
+    class's level with its noise. At lr 1e-7 nothing moves and the run says so; trained, it does not."""
+    import yaml
+
+    train, eval_ = toy_files
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump(tiny_raw_config(train, eval_, tmp_path / "still", rounds=1,
+                                                     client={"lr": 1.0e-7})))
+    assert main(["run", str(config)]) == 0
+    summary = json.loads((tmp_path / "still" / "summary.json").read_text())
+    assert summary["majority_rate"] == 0.5
+    assert summary["not_learned"].startswith("accuracy never rose above")
+    said = summary["not_learned"]
+    assert "0.625 with its noise" in said and "fedpeft tune CONFIG --trials 8" in said
+    assert "not learned: accuracy never rose" in " ".join(capsys.readouterr().out.split())
+    config.write_text(yaml.safe_dump(tiny_raw_config(train, eval_, tmp_path / "learns", rounds=10,
+                                                     client={"local_epochs": 2})))
+    assert main(["run", str(config)]) == 0
+    summary = json.loads((tmp_path / "learns" / "summary.json").read_text())
+    assert summary["final_metric"] > 0.625 and summary["not_learned"] is None
+    assert "not learned" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_bytes_recorded_equal_message_lengths(toy_files: tuple[Path, Path], tmp_path: Path, dtype: str) -> None:
     train, eval_ = toy_files

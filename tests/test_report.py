@@ -194,3 +194,23 @@ def test_log_ticks_are_round_and_spread() -> None:
     assert log_ticks(370e3, 930e3) == [5e5, 7e5]  # under a decade: 800 and 900 KB would touch
     assert log_ticks(1e3, 1e6) == [1e3, 1e4, 1e5, 1e6]  # several decades: powers of ten only
     assert log_ticks(370e3, 380e3) == []  # no round value in range: matplotlib's ticks stay
+
+
+def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
+    """On 400 eval examples whose majority class holds 0.6 the level is 0.6 + 2 * sqrt(0.24 / 400) = 0.649."""
+    from fedpeft.metrics.summary import majority_rate, not_learned
+
+    def records(*accuracies: float | None) -> list[dict]:
+        return [{"round": r, "eval": {} if a is None else {"accuracy": a}} for r, a in enumerate(accuracies)]
+
+    assert majority_rate([1, 0, 1, 1, 2]) == 0.6 and majority_rate([]) is None
+    never = not_learned(records(0.6, 0.62, None, 0.648), "accuracy", 0.6, 400)
+    assert never is not None and never.startswith("accuracy never rose above 0.648: always answering the eval "
+                                                  "split's most frequent class scores 0.600, 0.649 with its noise")
+    lost = not_learned(records(0.6, 0.80, 0.75, 0.61), "accuracy", 0.6, 400)
+    assert lost is not None and lost.startswith("accuracy reached 0.800 at round 1 but ended at 0.610")
+    assert "more clients per round" in lost
+    assert not_learned(records(0.6, 0.55, 0.66), "accuracy", 0.6, 400) is None  # ended above the level
+    assert not_learned(records(0.9, None), "accuracy", 0.6, 400) is None  # round 0 alone: nothing trained
+    assert not_learned(records(0.6, 0.6), "f1", 0.6, 400) is None  # only accuracy has this level
+    assert not_learned(records(0.6, 0.6), "accuracy", None, 400) is None  # not a classification

@@ -4,7 +4,9 @@ A claim's ``check`` is an expression over the methods of one task/partition cell
 ``fedtt.uplink <= 0.2 * lora_r8.uplink and fedtt.final >= lora_r8.final - 0.01``. A reference is
 ``METHOD.QUANTITY`` (``METHOD`` a method name of the benchmark), or ``METHOD["PARTITION"].QUANTITY``
 / ``METHOD["TASK", "PARTITION"].QUANTITY`` to reach another cell (``federa["iid"].final -
-federa["dirichlet0.1"].final``). Quantities: ``final``, ``best`` (the metric), ``uplink``,
+federa["dirichlet0.1"].final``), or ``ceiling.QUANTITY``: the task's centralised ceiling (its run over
+every seed, e.g. ``lora.final >= 0.9 * ceiling.best``; in the same-seed verdict it counts at its mean,
+exact, as it shares no seed's partition). Quantities: ``final``, ``best`` (the metric), ``uplink``,
 ``downlink`` (bytes per client and round, mean over rounds), ``last_uplink`` (a client's upload in
 the last round), ``total_bytes``, ``params``, ``flops`` (client FLOPs per
 step), ``round_flops`` (per client round, where the method counts one: head pruning's importance pass),
@@ -46,6 +48,8 @@ from fedpeft.metrics.stats import t_halfwidth
 
 CONFIRMED, REFUTED, WITHIN_NOISE, NOT_REACHED = "confirmed", "refuted", "within noise", "not reached"
 CEILING_FRACTION = 0.9
+CEILING = "ceiling"
+"""The name a check reads the centralised ceiling by; no method may take it."""
 
 QUANTITIES = {
     "final": "final_metric", "best": "best_metric", "uplink": "uplink_bytes_per_client_round",

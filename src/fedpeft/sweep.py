@@ -55,6 +55,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fedpeft.claims import CEILING, references
 from fedpeft.config import ConfigError, apply_overrides, build_config, deep_merge
 from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, SUMMARY
 
@@ -142,6 +143,9 @@ class SweepFile(_Strict):
     @classmethod
     def _method_names(cls, methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for name in methods:
+            if name == CEILING:
+                raise ValueError(f"{CEILING!r} is the name claims read the centralised ceiling by; name the method "
+                                 "otherwise")
             if not name.isidentifier():
                 raise ValueError(f"method name {name!r} must be an identifier (letters, digits, _), as claims "
                                  "refer to it")
@@ -277,10 +281,11 @@ def _check_prune_after(sweep: Sweep) -> None:
 def _check_names(spec: SweepFile) -> None:
     known = set(spec.methods)
     for index, claim in enumerate(spec.claims):
-        from fedpeft.claims import references
-
         for method, _, _ in references(claim.check):
-            if method not in known:
+            if method == CEILING and spec.ceiling is None:
+                raise ConfigError(f"sweep.claims.{index}.check", f"{method!r} reads the centralised ceiling, and "
+                                  "the sweep has no ceiling: block")
+            if method not in known and method != CEILING:
                 raise ConfigError(f"sweep.claims.{index}.check", f"{method!r} is not one of sweep.methods")
         if claim.baseline is not None and claim.baseline not in known:
             raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")

@@ -18,7 +18,14 @@ if TYPE_CHECKING:  # the engines' modules import torch; a Flower query handler n
 
 def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, plot: bool = False) -> None:
     """Run every round with a line per round, then write ``summary.json`` (and ``metric.png``)."""
-    from fedpeft.metrics.summary import human_bytes, plot_metric, rounds_table, summarize
+    from fedpeft.metrics.summary import (
+        human_bytes,
+        majority_rate,
+        not_learned,
+        plot_metric,
+        rounds_table,
+        summarize,
+    )
     from fedpeft.models.pooling import pooling_applies
 
     exp, cfg = engine.exp, engine.exp.cfg
@@ -45,10 +52,15 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
     summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
                    computed_on=exp.slot.placement.describe(), pooling=pooling)
+    classified = exp.task.problem_type in ("classification", "multiple_choice")
+    majority = majority_rate(exp.eval_data.labels) if classified else None
+    summary.update(majority_rate=majority, not_learned=not_learned(records, metric, majority, len(exp.eval_data)))
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
                   f"run directory {run_dir}")
+    if summary["not_learned"]:
+        console.print(f"[yellow]not learned:[/] {summary['not_learned']}")
     if plot:
         path = plot_metric(records, metric, run_dir / "metric.png", f"{cfg.method} on {exp.task.name}")
         console.print(f"plot: {path}")

@@ -22,8 +22,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from fedpeft.claims import (
+    CEILING,
     CEILING_FRACTION,
     QUANTITIES,
+    Interval,
     Judgement,
     Lookup,
     Missing,
@@ -109,6 +111,8 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
                 return cell[0], cell[1], method
 
             def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Any:
+                if method == CEILING:
+                    return row_interval(_ceiling_row(ceilings, where(method, selector)[0]), quantity)
                 row = index.get(where(method, selector))
                 if row is None:
                     raise Missing(f"{method} has no results in {'/'.join(where(method, selector)[:2])}")
@@ -118,7 +122,7 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
             read = list(dict.fromkeys([(task, partition), *(where(m, s)[:2] for m, s, _ in references(claim.check))]))
 
             judgement = _gate_cells(judge(claim.check, lookup), claim.baseline, read, index, ceilings)
-            paired = judge_paired(claim.check, _seed_lookups(claim.check, seeds_of, where))
+            paired = judge_paired(claim.check, _seed_lookups(claim.check, seeds_of, where, ceilings))
             gap = paired.why if paired is not None else ""
             if paired is not None:
                 paired = _gate_cells(paired, claim.baseline, read, index, ceilings)
@@ -145,14 +149,26 @@ def _gate_cells(judgement: Judgement, baseline: str | None, cells: Sequence[tupl
     return judgement
 
 
+def _ceiling_row(ceilings: Sequence[dict[str, Any]], task: str) -> dict[str, Any]:
+    """The centralised run of ``task`` over its seeds (``ceiling.QUANTITY`` in a check)."""
+    rows = [r for r in ceilings if r["task"] == task]
+    if not rows:
+        raise Missing(f"{task} has no centralised ceiling")
+    return rows[0]
+
+
 def _seed_lookups(check: str, seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]],
-                  where: Callable[[str, tuple[str, ...]], tuple[str, str, str]]) -> list[Lookup]:
-    """One exact lookup per seed that every method the check reads has run (none if one has no runs)."""
-    keys = [where(method, selector) for method, selector, _ in references(check)]
+                  where: Callable[[str, tuple[str, ...]], tuple[str, str, str]],
+                  ceilings: Sequence[dict[str, Any]] = ()) -> list[Lookup]:
+    """One exact lookup per seed that every method the check reads has run (none if one has no runs). The
+    centralised ceiling is not one of a seed's federated runs: it counts at its mean over its seeds, exact."""
+    keys = [where(method, selector) for method, selector, _ in references(check) if method != CEILING]
     common = set.intersection(*(set(seeds_of.get(key, {})) for key in keys)) if keys else set()
 
     def lookup_for(seed: Any) -> Lookup:
         def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Any:
+            if method == CEILING:
+                return Interval.exact(row_interval(_ceiling_row(ceilings, where(method, selector)[0]), quantity).mid)
             return row_interval(seeds_of[where(method, selector)][seed], quantity)
         return lookup
 
@@ -268,7 +284,7 @@ def write_results(sweep: Sweep, command: str, allow_fewer: bool = False) -> dict
     summary = aggregate_seeds(rows)
     mark_noise(summary)
     ceilings = aggregate_seeds(ceiling_rows)
-    claims = judge_claims(sweep, summary, ceiling_rows, rows)
+    claims = judge_claims(sweep, summary, ceilings, rows)
     machine = f"{platform.machine()}, {platform.processor() or platform.system()}, python {platform.python_version()}"
     data = {
         "benchmark": name, "command": command, "machine": machine, "description": sweep.spec.description,

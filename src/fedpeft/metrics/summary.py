@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,42 @@ def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
         "client_flops_per_step": last.get("client_flops_per_step"),
         **dp,
     }
+
+
+def majority_rate(labels: Sequence[int | float]) -> float | None:
+    """The accuracy of always answering the most frequent class of ``labels`` (None: no labels)."""
+    return max(Counter(labels).values()) / len(labels) if labels else None
+
+
+def not_learned(records: list[dict[str, Any]], metric: str, majority: float | None, eval_examples: int) -> str | None:
+    """Why a classification run has not learned and what to try, or None (it learned, or the check does not
+    apply: a metric other than accuracy, or no evaluation after training).
+
+    A first run on new data often ends no better than always answering the eval split's most frequent
+    class, and its accuracy alone does not say so (0.56 reads like learning on a split whose majority
+    class holds 0.56). An accuracy is at that level when it is within two binomial standard errors of the
+    majority class's share (about a 95% band over ``eval_examples``). Two cases, with different remedies:
+    it never rose above that level (learning rates, rounds), or it did and the last rounds took it back
+    (the clients of those rounds, under label skew)."""
+    if metric != "accuracy" or majority is None or eval_examples <= 0:
+        return None
+    evaluated = [(r["round"], r["eval"][metric]) for r in records if r["round"] > 0 and metric in r.get("eval", {})]
+    if not evaluated:
+        return None
+    level = majority + 2 * math.sqrt(majority * (1 - majority) / eval_examples)
+    best_round, best = max(evaluated, key=lambda e: e[1])
+    final = evaluated[-1][1]
+    if final > level:
+        return None
+    share = f"always answering the eval split's most frequent class scores {majority:.3f}, {level:.3f} with its noise"
+    if best <= level:
+        return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try `fedpeft tune "
+                "CONFIG --trials 8` (a recipe's learning rates come from one short SST-2 setting; README: Tune, then "
+                "run), more rounds or local epochs, and with label-skewed clients more clients per round")
+    return (f"{metric} reached {best:.3f} at round {best_round} but ended at {final:.3f}: {share}, so the last "
+            "rounds undid what the model learned (each round's clients pull it toward their own labels). Try more "
+            "clients per round, lower learning rates (`fedpeft tune CONFIG --trials 8` scores every round) or more "
+            "rounds")
 
 
 def rounds_table(records: list[dict[str, Any]], metric: str, title: str) -> Table:
