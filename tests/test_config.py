@@ -140,3 +140,12 @@ def test_unknown_adapter_and_strategy(toy_files: tuple[Path, Path], tmp_path: Pa
         _prepare(tiny_raw_config(train, eval_, tmp_path / "r3", task={"name": "sst3"}))
     with pytest.raises(ConfigError, match=r"codec\.up\.densty: unknown field; the dense codec"):
         _prepare(tiny_raw_config(train, eval_, tmp_path / "r4", codec={"up": {"kind": "dense", "densty": 0.1}}))
+    # density is topk's: the dense codec sent every entry under density 0.1 without a word
+    with pytest.raises(ConfigError, match=r"codec\.down\.density: the dense codec sends every entry"):
+        _prepare(tiny_raw_config(train, eval_, tmp_path / "r5", codec={"down": {"kind": "dense", "density": 0.1}}))
+    with pytest.raises(ConfigError, match=r"codec\.up\.density: the zero_slices codec"):
+        _prepare(tiny_raw_config(train, eval_, tmp_path / "r6", method="headprune", adapter={"r": 4, "alpha": 8},
+                                 codec={"up": {"kind": "zero_slices", "density": 0.5}}))
+    sparse = prepare(build_config(tiny_raw_config(train, eval_, tmp_path / "r7",
+                                                  codec={"up": {"kind": "topk", "density": 0.1}})))
+    assert sparse.up_codec.density == 0.1

@@ -53,11 +53,15 @@ class Codec:
 
     kind: ClassVar[str] = "dense"
     has_options: ClassVar[bool] = False  # reads extra ``codec.<dir>.*`` fields (and validates them itself)
+    reads_density: ClassVar[bool] = False  # sends only a ``codec.<dir>.density`` fraction of the entries
 
     def __init__(self, cfg: DirectionCodecConfig, direction: str = "up", schema: Schema | None = None) -> None:
         if cfg.model_extra and not self.has_options:
             raise ConfigError(f"codec.{direction}.{next(iter(cfg.model_extra))}",
-                              f"unknown field; the {self.kind} codec reads only kind, dtype, density and pack")
+                              f"unknown field; the {self.kind} codec reads only kind, dtype and pack")
+        if cfg.density < 1 and not self.reads_density:  # it would send every entry the method gives it
+            raise ConfigError(f"codec.{direction}.density", f"the {self.kind} codec sends every entry it is given, "
+                              f"so density {cfg.density:g} would change nothing; density is topk's (kind: topk)")
         self.cfg = cfg
         self.direction = direction  # "down" or "up": lets a codec name its own config fields in errors
         self.wire_dtype = WIRE_DTYPES[cfg.dtype]

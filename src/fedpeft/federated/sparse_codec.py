@@ -124,6 +124,7 @@ class TopKCodec(Codec):
 
     kind = "topk"
     has_options = True
+    reads_density = True
 
     def __init__(self, cfg: DirectionCodecConfig, direction: str = "up") -> None:
         super().__init__(cfg, direction)
