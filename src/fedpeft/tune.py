@@ -55,6 +55,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
+from fedpeft.metrics.summary import CLASSIFIED, majority_level, majority_rate
 from fedpeft.seeding import derive_seed
 
 DEFAULT_VALIDATION_FRACTION = 0.1
@@ -421,6 +422,9 @@ def _run_trial(trial: Any, base: dict[str, Any], params: dict[str, Any], run_dir
         return "failed", None, str(err)
     metric = exp.task.primary_metric
     metric_holder["name"] = f"validation {metric}"
+    if metric == "accuracy" and exp.validation_data is not None and exp.task.problem_type in CLASSIFIED:
+        trial.set_user_attr("majority", majority_rate(exp.validation_data.labels))
+        trial.set_user_attr("validation_examples", len(exp.validation_data))
     trial.set_user_attr("noise", 1 / math.sqrt(max(1, len(exp.task.validation))))
     resume = (run_dir / CONFIG).exists()  # a retried trial continues from its checkpoint (or round 1)
     engine = LocalEngine(exp, run_dir, Console(quiet=True))
@@ -483,10 +487,25 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
                "failed": sum(t.state == TrialState.FAIL for t in trials),
                "seconds": sum(t.user_attrs.get("seconds", 0.0) for t in trials),
                "space": {k: v.model_dump() for k, v in space.items()}}
+    summary["not_learned"] = _not_learned(best)
     (tune_dir / "tune.json").write_text(json.dumps(summary, indent=2))
     console.print(f"best {metric} {best.value:.4f} with " + ", ".join(f"{k}={_short(v)}" for k, v in
                                                                      best.params.items()) + f"; config: {path}")
+    if summary["not_learned"]:
+        console.print(f"[yellow]no trial learned:[/] {summary['not_learned']}")
     return TuneResult(best.params, float(best.value), path, len(trials), metric or "")
+
+
+def _not_learned(best: Any) -> str | None:
+    """Why the best trial is no better than always answering the validation split's most frequent class, or
+    None (it is, or the task is not classification scored by accuracy)."""
+    majority, examples = best.user_attrs.get("majority"), best.user_attrs.get("validation_examples")
+    if majority is None or not examples or best.value > (level := majority_level(majority, examples)):
+        return None
+    return (f"the best trial ({best.number}) ends at validation accuracy {best.value:.3f}, and always answering the "
+            f"validation split's most frequent class scores {majority:.3f} ({level:.3f} with its noise over "
+            f"{examples} examples). best.yaml holds it all the same; before running it, widen the space (--space), "
+            "give the trials more rounds, or more clients per round on label-skewed clients")
 
 
 def _write_csv(trials: list[Any], space: Space, path: Path) -> None:

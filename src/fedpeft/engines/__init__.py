@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the engines' modules import torch; a Flower query handler n
 def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, plot: bool = False) -> None:
     """Run every round with a line per round, then write ``summary.json`` (and ``metric.png``)."""
     from fedpeft.metrics.summary import (
+        CLASSIFIED,
         human_bytes,
         majority_rate,
         not_learned,
@@ -52,8 +53,7 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
     summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
                    computed_on=exp.slot.placement.describe(), pooling=pooling)
-    classified = exp.task.problem_type in ("classification", "multiple_choice")
-    majority = majority_rate(exp.eval_data.labels) if classified else None
+    majority = majority_rate(exp.eval_data.labels) if exp.task.problem_type in CLASSIFIED else None
     summary.update(majority_rate=majority, not_learned=not_learned(records, metric, majority, len(exp.eval_data)))
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))

@@ -46,9 +46,19 @@ def summarize(records: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     }
 
 
+CLASSIFIED = ("classification", "multiple_choice")
+"""The problem types whose accuracy has a majority-class level (:func:`not_learned`)."""
+
+
 def majority_rate(labels: Sequence[int | float]) -> float | None:
     """The accuracy of always answering the most frequent class of ``labels`` (None: no labels)."""
     return max(Counter(labels).values()) / len(labels) if labels else None
+
+
+def majority_level(majority: float, examples: int) -> float:
+    """The accuracy below which a model is no better than always answering the most frequent class (its
+    share ``majority``) on ``examples`` examples: that share plus two binomial standard errors (~95%)."""
+    return majority + 2 * math.sqrt(majority * (1 - majority) / examples)
 
 
 def not_learned(records: list[dict[str, Any]], metric: str, majority: float | None, eval_examples: int) -> str | None:
@@ -66,7 +76,7 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
     evaluated = [(r["round"], r["eval"][metric]) for r in records if r["round"] > 0 and metric in r.get("eval", {})]
     if not evaluated:
         return None
-    level = majority + 2 * math.sqrt(majority * (1 - majority) / eval_examples)
+    level = majority_level(majority, eval_examples)
     best_round, best = max(evaluated, key=lambda e: e[1])
     final = evaluated[-1][1]
     if final > level:
