@@ -498,7 +498,7 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
 
 def _not_learned(best: Any) -> str | None:
     """Why the best trial is no better than always answering the validation split's most frequent class, or
-    None (it is, or the task is not classification scored by accuracy)."""
+    None (it is better, or the task is not classification scored by accuracy)."""
     majority, examples = best.user_attrs.get("majority"), best.user_attrs.get("validation_examples")
     if majority is None or not examples or best.value > (level := majority_level(majority, examples)):
         return None

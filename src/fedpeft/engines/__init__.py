@@ -51,10 +51,10 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     records = engine.run(resume=resume, on_round=report)
     summary = summarize(records, metric)
     # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
-    summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
-                   computed_on=exp.slot.placement.describe(), pooling=pooling)
     majority = majority_rate(exp.eval_data.labels) if exp.task.problem_type in CLASSIFIED else None
-    summary.update(majority_rate=majority, not_learned=not_learned(records, metric, majority, len(exp.eval_data)))
+    summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
+                   computed_on=exp.slot.placement.describe(), pooling=pooling, majority_rate=majority,
+                   not_learned=not_learned(records, metric, majority, len(exp.eval_data)))
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "

@@ -159,7 +159,7 @@ def _ceiling_row(ceilings: Sequence[dict[str, Any]], task: str) -> dict[str, Any
 
 def _seed_lookups(check: str, seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]],
                   where: Callable[[str, tuple[str, ...]], tuple[str, str, str]],
-                  ceilings: Sequence[dict[str, Any]] = ()) -> list[Lookup]:
+                  ceilings: Sequence[dict[str, Any]]) -> list[Lookup]:
     """One exact lookup per seed that every method the check reads has run (none if one has no runs). The
     centralised ceiling is not one of a seed's federated runs: it counts at its mean over its seeds, exact."""
     keys = [where(method, selector) for method, selector, _ in references(check) if method != CEILING]
