@@ -34,7 +34,7 @@ def test_tiny_model_learns_separable_task(toy_files: tuple[Path, Path], tmp_path
 
 def test_a_run_that_has_not_learned_says_so_and_what_to_try(toy_files: tuple[Path, Path], tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """The toy eval split is balanced (32 of 64 per class): 0.5 + 2 * sqrt(0.25 / 64) = 0.625 is the majority
+    """The toy eval split is balanced (32 of 64 per class): 0.5 + 1.96 * sqrt(0.25 / 64) = 0.622 is the majority
     class's level with its noise. At lr 1e-7 nothing moves and the run says so; trained, it does not."""
     import yaml
 
@@ -47,13 +47,13 @@ def test_a_run_that_has_not_learned_says_so_and_what_to_try(toy_files: tuple[Pat
     assert summary["majority_rate"] == 0.5
     assert summary["not_learned"].startswith("accuracy never rose above")
     said = summary["not_learned"]
-    assert "0.625 with its noise" in said and "fedpeft tune CONFIG --trials 8" in said
+    assert "0.622 with its noise" in said and "fedpeft tune CONFIG --trials 8" in said
     assert "not learned: accuracy never rose" in " ".join(capsys.readouterr().out.split())
     config.write_text(yaml.safe_dump(tiny_raw_config(train, eval_, tmp_path / "learns", rounds=10,
                                                      client={"local_epochs": 2})))
     assert main(["run", str(config)]) == 0
     summary = json.loads((tmp_path / "learns" / "summary.json").read_text())
-    assert summary["final_metric"] > 0.625 and summary["not_learned"] is None
+    assert summary["final_metric"] > 0.622 and summary["not_learned"] is None
     assert "not learned" not in capsys.readouterr().out
 
 

@@ -197,20 +197,39 @@ def test_log_ticks_are_round_and_spread() -> None:
 
 
 def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
-    """On 400 eval examples whose majority class holds 0.6 the level is 0.6 + 2 * sqrt(0.24 / 400) = 0.649."""
+    """On 400 eval examples whose majority class holds 0.6 the level is 0.6 + 1.96 * sqrt(0.24 / 400) = 0.6480.
+    Other metrics are judged against the untrained model (round 0), and never below 0."""
     from fedpeft.metrics.summary import majority_rate, not_learned
 
-    def records(*accuracies: float | None) -> list[dict]:
-        return [{"round": r, "eval": {} if a is None else {"accuracy": a}} for r, a in enumerate(accuracies)]
+    def records(*accuracies: float | None, metric: str = "accuracy") -> list[dict]:
+        return [{"round": r, "eval": {} if a is None else {metric: a}} for r, a in enumerate(accuracies)]
 
     assert majority_rate([1, 0, 1, 1, 2]) == 0.6 and majority_rate([]) is None
     never = not_learned(records(0.6, 0.62, None, 0.648), "accuracy", 0.6, 400)
     assert never is not None and never.startswith("accuracy never rose above 0.648: always answering the eval "
-                                                  "split's most frequent class scores 0.600, 0.649 with its noise")
+                                                  "split's most frequent class scores 0.600, 0.648 with its noise")
     lost = not_learned(records(0.6, 0.80, 0.75, 0.61), "accuracy", 0.6, 400)
     assert lost is not None and lost.startswith("accuracy reached 0.800 at round 1 but ended at 0.610")
     assert "more clients per round" in lost
     assert not_learned(records(0.6, 0.55, 0.66), "accuracy", 0.6, 400) is None  # ended above the level
     assert not_learned(records(0.9, None), "accuracy", 0.6, 400) is None  # round 0 alone: nothing trained
-    assert not_learned(records(0.6, 0.6), "f1", 0.6, 400) is None  # only accuracy has this level
-    assert not_learned(records(0.6, 0.6), "accuracy", None, 400) is None  # not a classification
+    assert not_learned(records(0.6, 0.66), "accuracy", 0.6, 400) is None  # 0.66 > 0.648
+    # entity F1 0.000 after training, round 0 not evaluated: 0 is the level
+    zero = not_learned(records(None, 0.0, 0.0, metric="entity_f1"), "entity_f1", None, 400)
+    assert zero == ("entity_f1 never rose above 0.000: 0 is what a model that has learned nothing scores, so the "
+                    "model has not learned. Try `fedpeft tune CONFIG --trials 8` (a recipe's learning rates come "
+                    "from one short SST-2 setting; README: Tune, then run), more rounds or local epochs, and with "
+                    "label-skewed clients more clients per round")
+    # a trained SQuAD F1 below the untrained model's (round 0)
+    below = not_learned(records(0.074, 0.05, 0.06, metric="f1"), "f1", None, 400)
+    assert below is not None and below.startswith("f1 never rose above 0.060: the untrained model (round 0) "
+                                                  "scores 0.074")
+    lost = not_learned(records(0.074, 0.30, 0.07, metric="f1"), "f1", None, 400)
+    assert lost is not None and lost.startswith("f1 reached 0.300 at round 1 but ended at 0.070: the untrained")
+    assert not_learned(records(0.074, 0.08, metric="f1"), "f1", None, 400) is None  # above the untrained model
+    assert not_learned(records(None, 0.01, metric="f1"), "f1", None, 400) is None  # above 0, no round 0 to beat
+    # a Matthews correlation whose untrained value is below 0 still has to rise above 0
+    assert not_learned(records(-0.05, 0.0, metric="matthews"), "matthews", None, 400) is not None
+    # accuracy without a class to count (not a classification): the untrained model is the level
+    assert not_learned(records(0.6, 0.6), "accuracy", None, 400) is not None
+    assert not_learned(records(0.6, 0.7), "accuracy", None, 400) is None

@@ -61,7 +61,7 @@ def test_same_seed_same_trials_and_best_yaml_runs(toy: tuple[dict[str, Any], Pat
 
 def test_a_tune_in_which_no_trial_learned_says_so(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
     """At lr 1e-9 nothing moves: the stratified validation split (16 of 160, 8 per class) scores at most
-    0.5 + 2 * sqrt(0.25 / 16) = 0.75 by always answering one class, and the tune says its best is there."""
+    0.5 + 1.96 * sqrt(0.25 / 16) = 0.745 by always answering one class, and the tune says its best is there."""
     import json
     from types import SimpleNamespace
 
@@ -73,11 +73,14 @@ def test_a_tune_in_which_no_trial_learned_says_so(toy: tuple[dict[str, Any], Pat
     space = parse_space({"client.lr": {"choices": [1.0e-9]}}, "space")
     tune(raw, tmp_path / "t", 1, seed=0, space=space, pruner="none", console=Console(quiet=True))
     said = json.loads((tmp_path / "t" / "tune.json").read_text())["not_learned"]
-    assert said.startswith("the best trial (0) ends at validation accuracy")
-    assert "most frequent class scores 0.500 (0.750 with its noise over 16 examples)" in said
+    assert said.startswith("the best trial (0) ends at validation accuracy 0.")
+    assert "most frequent class scores 0.500 (0.745 with its noise over 16 examples)" in said
     learned = SimpleNamespace(number=2, value=0.8125, user_attrs={"majority": 0.5, "validation_examples": 16})
-    assert _not_learned(learned) is None
-    assert _not_learned(SimpleNamespace(number=2, value=0.5, user_attrs={})) is None  # not scored by accuracy
+    assert _not_learned(learned, "validation accuracy") is None
+    # scored by another metric: only 0 is a known level (an F1 of 0 finds nothing right)
+    assert _not_learned(SimpleNamespace(number=2, value=0.5, user_attrs={}), "validation f1") is None
+    nothing = _not_learned(SimpleNamespace(number=3, value=0.0, user_attrs={}), "validation entity_f1")
+    assert nothing is not None and nothing.startswith("the best trial (3) ends at validation entity_f1 0.000, and 0 is")
 
 
 def test_pruning_stops_a_diverging_trial(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:

@@ -487,7 +487,7 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
                "failed": sum(t.state == TrialState.FAIL for t in trials),
                "seconds": sum(t.user_attrs.get("seconds", 0.0) for t in trials),
                "space": {k: v.model_dump() for k, v in space.items()}}
-    summary["not_learned"] = _not_learned(best)
+    summary["not_learned"] = _not_learned(best, metric or "metric")
     (tune_dir / "tune.json").write_text(json.dumps(summary, indent=2))
     console.print(f"best {metric} {best.value:.4f} with " + ", ".join(f"{k}={_short(v)}" for k, v in
                                                                      best.params.items()) + f"; config: {path}")
@@ -496,16 +496,24 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
     return TuneResult(best.params, float(best.value), path, len(trials), metric or "")
 
 
-def _not_learned(best: Any) -> str | None:
-    """Why the best trial is no better than always answering the validation split's most frequent class, or
-    None (it is better, or the task is not classification scored by accuracy)."""
+def _not_learned(best: Any, metric: str) -> str | None:
+    """Why the best trial has not learned, or None. Scored by accuracy on a classification task: no better
+    than always answering the validation split's most frequent class (with its noise); scored otherwise
+    (F1, exact match, ROUGE, Matthews, Pearson, all higher-is-better): at or below 0, the score of a model
+    that finds nothing right (trials are not scored untrained, so 0 is the only level known)."""
     majority, examples = best.user_attrs.get("majority"), best.user_attrs.get("validation_examples")
-    if majority is None or not examples or best.value > (level := majority_level(majority, examples)):
+    if majority is not None and examples:
+        if best.value > (level := majority_level(majority, examples)):
+            return None
+        reference = (f"always answering the validation split's most frequent class scores {majority:.3f} "
+                     f"({level:.3f} with its noise over {examples} examples)")
+    elif best.value > 0:
         return None
-    return (f"the best trial ({best.number}) ends at validation accuracy {best.value:.3f}, and always answering the "
-            f"validation split's most frequent class scores {majority:.3f} ({level:.3f} with its noise over "
-            f"{examples} examples). best.yaml holds it all the same; before running it, widen the space (--space), "
-            "give the trials more rounds, or more clients per round on label-skewed clients")
+    else:
+        reference = "0 is what a model that has learned nothing scores"
+    return (f"the best trial ({best.number}) ends at {metric} {best.value:.3f}, and {reference}. best.yaml holds "
+            "it all the same; before running it, widen the space (--space), give the trials more rounds, or more "
+            "clients per round on label-skewed clients")
 
 
 def _write_csv(trials: list[Any], space: Space, path: Path) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+from fedpeft.metrics.stats import binomial_halfwidth
 
 
 def human_bytes(n: float) -> str:
@@ -57,31 +58,45 @@ def majority_rate(labels: Sequence[int | float]) -> float | None:
 
 def majority_level(majority: float, examples: int) -> float:
     """The accuracy below which a model is no better than always answering the most frequent class (its
-    share ``majority``) on ``examples`` examples: that share plus two binomial standard errors (~95%)."""
-    return majority + 2 * math.sqrt(majority * (1 - majority) / examples)
+    share ``majority``) on ``examples`` examples: that share plus the half-width of its 95% binomial interval."""
+    return majority + binomial_halfwidth(majority, examples)
 
 
 def not_learned(records: list[dict[str, Any]], metric: str, majority: float | None, eval_examples: int) -> str | None:
-    """Why a classification run has not learned and what to try, or None (it learned, or the check does not
-    apply: a metric other than accuracy, or no evaluation after training).
+    """Why a run has not learned and what to try, or None (it learned, or there is nothing to judge: no
+    evaluation after training, or no level to judge it against).
 
-    A first run on new data often ends no better than always answering the eval split's most frequent
-    class, and its accuracy alone does not say so (0.56 reads like learning on a split whose majority
-    class holds 0.56). An accuracy is at that level when it is within two binomial standard errors of the
-    majority class's share (about a 95% band over ``eval_examples``). Two cases, with different remedies:
-    it never rose above that level (learning rates, rounds), or it did and the last rounds took it back
-    (the clients of those rounds, under label skew)."""
-    if metric != "accuracy" or majority is None or eval_examples <= 0:
-        return None
+    A first run on new data often ends no better than a model that learned nothing, and the metric alone
+    does not say so (accuracy 0.56 reads like learning on a split whose majority class holds 0.56; entity
+    F1 0.000 after 9 rounds reads like a hard task). The level a run must beat:
+
+    - accuracy on a classification or multiple-choice eval split (``majority`` given): always answering
+      its most frequent class, plus the half-width of that share's 95% binomial interval over
+      ``eval_examples``;
+    - any other metric, or accuracy without a class to count (all of ours are higher-is-better: F1, exact
+      match, ROUGE, Matthews, Pearson): the untrained model's score where round 0 was evaluated
+      (``evaluation.at_start``), and never below 0, the score of a model that finds nothing right or whose
+      predictions do not follow the labels. Without a band: how much such a metric moves by chance depends
+      on the task, so only "no higher at all" is said.
+
+    Two cases, with different remedies: it never rose above that level (learning rates, rounds), or it did
+    and the last rounds took it back (the clients of those rounds, under label skew)."""
     evaluated = [(r["round"], r["eval"][metric]) for r in records if r["round"] > 0 and metric in r.get("eval", {})]
     if not evaluated:
         return None
-    level = majority_level(majority, eval_examples)
+    if metric == "accuracy" and majority is not None and eval_examples > 0:
+        level = majority_level(majority, eval_examples)
+        share = (f"always answering the eval split's most frequent class scores {majority:.3f}, {level:.3f} "
+                 "with its noise")
+    else:
+        start = next((r["eval"][metric] for r in records if r["round"] == 0 and metric in r.get("eval", {})), None)
+        level = max(start, 0.0) if start is not None else 0.0
+        share = (f"the untrained model (round 0) scores {start:.3f}" if start is not None and start >= 0 else
+                 "0 is what a model that has learned nothing scores")
     best_round, best = max(evaluated, key=lambda e: e[1])
     final = evaluated[-1][1]
     if final > level:
         return None
-    share = f"always answering the eval split's most frequent class scores {majority:.3f}, {level:.3f} with its noise"
     if best <= level:
         return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try `fedpeft tune "
                 "CONFIG --trials 8` (a recipe's learning rates come from one short SST-2 setting; README: Tune, then "
