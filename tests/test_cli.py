@@ -30,6 +30,12 @@ def test_data_prints_partition(toy_files: tuple[Path, Path], capsys: pytest.Capt
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "160 train" in out and "neg" in out and "pos" in out
+    # with nearly one class per client the command says so; an iid split it does not
+    assert main([*argv[:5], "0.01", *argv[6:]]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "label skew: " in out and "of the 5 clients hold 90% or more of one class" in out
+    assert main(["data", "file", "--partition", "iid", "--num-clients", "5", *argv[-4:]]) == 0
+    assert "label skew" not in capsys.readouterr().out
 
 
 def test_data_bad_task_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

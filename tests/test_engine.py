@@ -49,6 +49,14 @@ def test_a_run_that_has_not_learned_says_so_and_what_to_try(toy_files: tuple[Pat
     said = summary["not_learned"]
     assert "0.622 with its noise" in said and "fedpeft tune CONFIG --trials 8" in said
     assert "not learned: accuracy never rose" in " ".join(capsys.readouterr().out.split())
+    assert "clients hold 90%" not in said  # iid: no label skew to blame
+    config.write_text(yaml.safe_dump(tiny_raw_config(train, eval_, tmp_path / "skewed", rounds=1,
+                                                     client={"lr": 1.0e-7},
+                                                     partition={"kind": "dirichlet", "alpha": 0.01})))
+    assert main(["run", str(config)]) == 0
+    said = json.loads((tmp_path / "skewed" / "summary.json").read_text())["not_learned"]
+    assert "clients hold 90% or more of one class" in said and "more rounds first, then `fedpeft tune" in said
+    capsys.readouterr()
     config.write_text(yaml.safe_dump(tiny_raw_config(train, eval_, tmp_path / "learns", rounds=10,
                                                      client={"local_epochs": 2})))
     assert main(["run", str(config)]) == 0

@@ -196,6 +196,19 @@ def test_log_ticks_are_round_and_spread() -> None:
     assert log_ticks(370e3, 380e3) == []  # no round value in range: matplotlib's ticks stay
 
 
+def test_label_skew_counts_the_clients_that_hold_one_class() -> None:
+    """Clients 0 (95 of 100) and 2 (40 of 40) hold 90% or more of one class: 140 of 300 examples (47%);
+    client 3 is empty and not counted. Below a quarter of the examples it says nothing."""
+    from fedpeft.metrics.summary import label_skew
+
+    clients = [{"size": 100, "labels": {"neg": 95, "pos": 5}}, {"size": 160, "labels": {"neg": 80, "pos": 80}},
+               {"size": 40, "labels": {"neg": 0, "pos": 40}}, {"size": 0, "labels": {"neg": 0, "pos": 0}}]
+    assert label_skew(clients) == "2 of the 3 clients hold 90% or more of one class (47% of the training examples)"
+    clients[0]["labels"] = {"neg": 89, "pos": 11}  # 89%: not skewed; 40 of 300 left (13%)
+    assert label_skew(clients) is None
+    assert label_skew([]) is None
+
+
 def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
     """On 400 eval examples whose majority class holds 0.6 the level is 0.6 + 1.96 * sqrt(0.24 / 400) = 0.6480.
     Other metrics are judged against the untrained model (round 0), and never below 0."""
@@ -212,6 +225,13 @@ def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
     assert lost is not None and lost.startswith("accuracy reached 0.800 at round 1 but ended at 0.610")
     assert "more clients per round" in lost
     assert not_learned(records(0.6, 0.55, 0.66), "accuracy", 0.6, 400) is None  # ended above the level
+    # on label-skewed clients the message says so and puts clients per round and rounds before a tune
+    skew = "2 of the 3 clients hold 90% or more of one class (47% of the training examples)"
+    skewed = not_learned(records(0.6, 0.62, None, 0.648), "accuracy", 0.6, 400, skew)
+    assert skewed is not None and f"so the model has not learned. {skew}: each round's few clients" in skewed
+    assert "Try more clients per round (strategy.clients_per_round) and more rounds first, then `fedpeft tune" in skewed
+    lost_skewed = not_learned(records(0.6, 0.80, 0.75, 0.61), "accuracy", 0.6, 400, skew)
+    assert lost_skewed is not None and f"({skew}: each round's clients pull it toward their own labels)" in lost_skewed
     assert not_learned(records(0.9, None), "accuracy", 0.6, 400) is None  # round 0 alone: nothing trained
     assert not_learned(records(0.6, 0.66), "accuracy", 0.6, 400) is None  # 0.66 > 0.648
     # entity F1 0.000 after training, round 0 not evaluated: 0 is the level

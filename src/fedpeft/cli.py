@@ -90,6 +90,7 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     from fedpeft.config import apply_overrides, build_config
     from fedpeft.data.partition import describe_partition, format_partition_table
     from fedpeft.experiment import load_data
+    from fedpeft.metrics.summary import label_skew
 
     if Path(args.task).suffix in (".yaml", ".yml") or Path(args.task).is_file():
         cfg = load_config(args.task, args.overrides)  # the exact partition a run of this config uses
@@ -111,6 +112,9 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{len(task.class_names)} partition classes (FeDeRA App. A.2): {list(task.class_names)[:8]} ...")
     rows = describe_partition(shards, [ex.label for ex in task.train], task.class_names)
     console.print(format_partition_table(rows, task.class_names))
+    if task.problem_type == "classification" and (skewed := label_skew(rows)):
+        console.print(f"label skew: {skewed}; a round of {cfg.clients_per_round()} pulls the model toward its "
+                      "clients' classes; if a run does not learn, try more clients per round and more rounds")
     return 0
 
 

@@ -18,9 +18,11 @@ if TYPE_CHECKING:  # the engines' modules import torch; a Flower query handler n
 
 def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, plot: bool = False) -> None:
     """Run every round with a line per round, then write ``summary.json`` (and ``metric.png``)."""
+    from fedpeft.engines.rounds import partition_summary
     from fedpeft.metrics.summary import (
         CLASSIFIED,
         human_bytes,
+        label_skew,
         majority_rate,
         not_learned,
         plot_metric,
@@ -52,9 +54,10 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     summary = summarize(records, metric)
     # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
     majority = majority_rate(exp.eval_data.labels) if exp.task.problem_type in CLASSIFIED else None
+    skew = label_skew(partition_summary(exp)["clients"]) if exp.task.problem_type == "classification" else None
     summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
                    computed_on=exp.slot.placement.describe(), pooling=pooling, majority_rate=majority,
-                   not_learned=not_learned(records, metric, majority, len(exp.eval_data)))
+                   not_learned=not_learned(records, metric, majority, len(exp.eval_data), skew))
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "
