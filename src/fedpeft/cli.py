@@ -113,8 +113,10 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     rows = describe_partition(shards, [ex.label for ex in task.train], task.class_names)
     console.print(format_partition_table(rows, task.class_names))
     if task.problem_type == "classification" and (skewed := label_skew(rows)):
-        console.print(f"label skew: {skewed}; a round of {cfg.clients_per_round()} pulls the model toward its "
-                      "clients' classes; if a run does not learn, try more clients per round and more rounds")
+        taken = cfg.clients_per_round()
+        more = "more rounds" if taken >= partition.num_clients else "more clients per round and more rounds"
+        console.print(f"label skew: {skewed}; a round of {taken} pulls the model toward its clients' classes; if "
+                      f"a run does not learn, try {more}")
     return 0
 
 

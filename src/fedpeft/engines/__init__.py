@@ -57,7 +57,8 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     skew = label_skew(partition_summary(exp)["clients"]) if exp.task.problem_type == "classification" else None
     summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
                    computed_on=exp.slot.placement.describe(), pooling=pooling, majority_rate=majority,
-                   not_learned=not_learned(records, metric, majority, len(exp.eval_data), skew))
+                   not_learned=not_learned(records, metric, majority, len(exp.eval_data), skew,
+                                           (cfg.clients_per_round(), cfg.partition.num_clients)))
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
     console.print(f"best {metric} {summary['best_metric']} (round {summary['best_round']}); "

@@ -83,7 +83,7 @@ def label_skew(clients: Sequence[dict[str, Any]]) -> str | None:
 
 
 def not_learned(records: list[dict[str, Any]], metric: str, majority: float | None, eval_examples: int,
-                skew: str | None = None) -> str | None:
+                skew: str | None = None, per_round: tuple[int, int] | None = None) -> str | None:
     """Why a run has not learned and what to try, or None (it learned, or there is nothing to judge: no
     evaluation after training, or no level to judge it against).
 
@@ -102,7 +102,9 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
 
     Two cases, with different remedies: it never rose above that level (learning rates, rounds), or it did
     and the last rounds took it back (the clients of those rounds, under label skew). ``skew`` (from
-    :func:`label_skew`) says why, and puts more clients per round and more rounds before a tune."""
+    :func:`label_skew`) says why, and puts more clients per round and more rounds before a tune;
+    ``per_round`` (clients a round, clients) says how many a round there are, and leaves "more clients per
+    round" out when every client already takes part."""
     evaluated = [(r["round"], r["eval"][metric]) for r in records if r["round"] > 0 and metric in r.get("eval", {})]
     if not evaluated:
         return None
@@ -124,9 +126,12 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
         return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try {tune}Tune, "
                 "then run), more rounds or local epochs, and with label-skewed clients more clients per round")
     if best <= level:
+        taken, clients = per_round or (0, 1)
+        more = ("more rounds" if taken >= clients else "more clients per round (strategy.clients_per_round"
+                + (f", {taken} of {clients} now" if taken else "") + ") and more rounds")
         return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. {skew}: each "
-                "round's few clients pull the model toward their own classes. Try more clients per round "
-                f"(strategy.clients_per_round) and more rounds first, then {tune}Tune, then run)")
+                f"round's clients pull the model toward their own classes. Try {more} first, then {tune}Tune, "
+                "then run)")
     because = f"{skew}: each round's" if skew else "each round's"
     return (f"{metric} reached {best:.3f} at round {best_round} but ended at {final:.3f}: {share}, so the last "
             f"rounds undid what the model learned ({because} clients pull it toward their own labels). Try more "
