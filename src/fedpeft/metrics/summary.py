@@ -121,17 +121,21 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
     final = evaluated[-1][1]
     if final > level:
         return None
-    tune = "`fedpeft tune CONFIG --trials 8` (a recipe's learning rates come from one short SST-2 setting; README: "
+    tune = ("`fedpeft tune CONFIG --trials 8` (a recipe's learning rates come from one short SST-2 setting; "
+            "README: Tune, then run)")
     if best <= level and skew is None:
-        return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try {tune}Tune, "
-                "then run), more rounds or local epochs, and with label-skewed clients more clients per round")
+        return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try {tune}, more "
+                "rounds or local epochs, and with label-skewed clients more clients per round")
     if best <= level:
-        taken, clients = per_round or (0, 1)
-        more = ("more rounds" if taken >= clients else "more clients per round (strategy.clients_per_round"
-                + (f", {taken} of {clients} now" if taken else "") + ") and more rounds")
+        if per_round is None:
+            more = "more clients per round (strategy.clients_per_round) and more rounds"
+        elif per_round[0] >= per_round[1]:  # every client already takes part
+            more = "more rounds"
+        else:
+            taken, clients = per_round
+            more = f"more clients per round (strategy.clients_per_round, {taken} of {clients} now) and more rounds"
         return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. {skew}: each "
-                f"round's clients pull the model toward their own classes. Try {more} first, then {tune}Tune, "
-                "then run)")
+                f"round's clients pull the model toward their own classes. Try {more} first, then {tune}")
     because = f"{skew}: each round's" if skew else "each round's"
     return (f"{metric} reached {best:.3f} at round {best_round} but ended at {final:.3f}: {share}, so the last "
             f"rounds undid what the model learned ({because} clients pull it toward their own labels). Try more "
