@@ -90,7 +90,7 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     from fedpeft.config import apply_overrides, build_config
     from fedpeft.data.partition import describe_partition, format_partition_table
     from fedpeft.experiment import load_data
-    from fedpeft.metrics.summary import label_skew
+    from fedpeft.metrics.summary import label_skew, skew_remedy
 
     if Path(args.task).suffix in (".yaml", ".yml") or Path(args.task).is_file():
         cfg = load_config(args.task, args.overrides)  # the exact partition a run of this config uses
@@ -114,9 +114,8 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     console.print(format_partition_table(rows, task.class_names))
     if task.problem_type == "classification" and (skewed := label_skew(rows)):
         taken = cfg.clients_per_round()
-        more = "more rounds" if taken >= partition.num_clients else "more clients per round and more rounds"
         console.print(f"label skew: {skewed}; a round of {taken} pulls the model toward its clients' classes; if "
-                      f"a run does not learn, try {more}")
+                      f"a run does not learn, try {skew_remedy((taken, partition.num_clients))}")
     return 0
 
 

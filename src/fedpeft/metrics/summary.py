@@ -82,6 +82,17 @@ def label_skew(clients: Sequence[dict[str, Any]]) -> str | None:
             f"({held / total:.0%} of the training examples)")
 
 
+def skew_remedy(per_round: tuple[int, int] | None) -> str:
+    """What to try first on label-skewed clients (:func:`label_skew`): more clients per round, unless every
+    client already takes part (``per_round``: clients a round, clients; None: not known), and more rounds."""
+    if per_round is None:
+        return "more clients per round (strategy.clients_per_round) and more rounds"
+    taken, clients = per_round
+    if taken >= clients:
+        return "more rounds"
+    return f"more clients per round (strategy.clients_per_round, {taken} of {clients} now) and more rounds"
+
+
 def not_learned(records: list[dict[str, Any]], metric: str, majority: float | None, eval_examples: int,
                 skew: str | None = None, per_round: tuple[int, int] | None = None) -> str | None:
     """Why a run has not learned and what to try, or None (it learned, or there is nothing to judge: no
@@ -127,15 +138,9 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
         return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try {tune}, more "
                 "rounds or local epochs, and with label-skewed clients more clients per round")
     if best <= level:
-        if per_round is None:
-            more = "more clients per round (strategy.clients_per_round) and more rounds"
-        elif per_round[0] >= per_round[1]:  # every client already takes part
-            more = "more rounds"
-        else:
-            taken, clients = per_round
-            more = f"more clients per round (strategy.clients_per_round, {taken} of {clients} now) and more rounds"
         return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. {skew}: each "
-                f"round's clients pull the model toward their own classes. Try {more} first, then {tune}")
+                f"round's clients pull the model toward their own classes. Try {skew_remedy(per_round)} first, "
+                f"then {tune}")
     because = f"{skew}: each round's" if skew else "each round's"
     return (f"{metric} reached {best:.3f} at round {best_round} but ended at {final:.3f}: {share}, so the last "
             f"rounds undid what the model learned ({because} clients pull it toward their own labels). Try more "
