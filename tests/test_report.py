@@ -237,6 +237,10 @@ def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
     lost_skewed = not_learned(records(0.6, 0.80, 0.75, 0.61), "accuracy", 0.6, 400, skew)
     assert lost_skewed is not None and f"({skew}: each round's clients pull it toward their own labels)" in lost_skewed
     assert not_learned(records(0.9, None), "accuracy", 0.6, 400) is None  # round 0 alone: nothing trained
+    # a best just above the level prints with the digits that tell them apart (level 0.5 + 0.049 = 0.549)
+    edge = not_learned(records(0.5, 0.5492, 0.5), "accuracy", 0.5, 400)
+    assert edge is not None and edge.startswith("accuracy reached 0.5492 at round 1 but ended at 0.5000")
+    assert "0.5490 with its noise" in edge
     assert not_learned(records(0.6, 0.66), "accuracy", 0.6, 400) is None  # 0.66 > 0.648
     # entity F1 0.000 after training, round 0 not evaluated: 0 is the level
     zero = not_learned(records(None, 0.0, 0.0, metric="entity_f1"), "entity_f1", None, 400)

@@ -62,6 +62,15 @@ def majority_level(majority: float, examples: int) -> float:
     return majority + binomial_halfwidth(majority, examples)
 
 
+def apart(value: float, level: float, least: int = 3, most: int = 6) -> int:
+    """Decimals (``least`` to ``most``) at which ``value`` and ``level`` print differently, so a score just
+    above a level (0.5221 over 0.5219) does not read as the level itself."""
+    digits = least
+    while digits < most and f"{value:.{digits}f}" == f"{level:.{digits}f}":
+        digits += 1
+    return digits
+
+
 SKEWED = 0.9
 """A client's shard is label-skewed when one class holds this share of it or more (:func:`label_skew`)."""
 
@@ -119,30 +128,32 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
     evaluated = [(r["round"], r["eval"][metric]) for r in records if r["round"] > 0 and metric in r.get("eval", {})]
     if not evaluated:
         return None
-    if metric == "accuracy" and majority is not None and eval_examples > 0:
-        level = majority_level(majority, eval_examples)
-        share = (f"always answering the eval split's most frequent class scores {majority:.3f}, {level:.3f} "
-                 "with its noise")
-    else:
-        start = next((r["eval"][metric] for r in records if r["round"] == 0 and metric in r.get("eval", {})), None)
-        level = max(start, 0.0) if start is not None else 0.0
-        share = (f"the untrained model (round 0) scores {start:.3f}" if start is not None and start >= 0 else
-                 "0 is what a model that has learned nothing scores")
     best_round, best = max(evaluated, key=lambda e: e[1])
     final = evaluated[-1][1]
+    start = next((r["eval"][metric] for r in records if r["round"] == 0 and metric in r.get("eval", {})), None)
+    by_majority = metric == "accuracy" and majority is not None and eval_examples > 0
+    untrained = max(start, 0.0) if start is not None else 0.0
+    level = majority_level(majority, eval_examples) if majority is not None and by_majority else untrained
     if final > level:
         return None
+    d = apart(best, level) if best > level else 3  # a best just above the level must not print as the level
+    if by_majority:
+        share = (f"always answering the eval split's most frequent class scores {majority:.3f}, {level:.{d}f} "
+                 "with its noise")
+    else:
+        share = (f"the untrained model (round 0) scores {start:.{d}f}" if start is not None and start >= 0 else
+                 "0 is what a model that has learned nothing scores")
     tune = ("`fedpeft tune CONFIG --trials 8` (a recipe's learning rates come from one short SST-2 setting; "
             "README: Tune, then run)")
     if best <= level and skew is None:
-        return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. Try {tune}, more "
+        return (f"{metric} never rose above {best:.{d}f}: {share}, so the model has not learned. Try {tune}, more "
                 "rounds or local epochs, and with label-skewed clients more clients per round")
     if best <= level:
-        return (f"{metric} never rose above {best:.3f}: {share}, so the model has not learned. {skew}: each "
+        return (f"{metric} never rose above {best:.{d}f}: {share}, so the model has not learned. {skew}: each "
                 f"round's clients pull the model toward their own classes. Try {skew_remedy(per_round)} first, "
                 f"then {tune}")
     because = f"{skew}: each round's" if skew else "each round's"
-    return (f"{metric} reached {best:.3f} at round {best_round} but ended at {final:.3f}: {share}, so the last "
+    return (f"{metric} reached {best:.{d}f} at round {best_round} but ended at {final:.{d}f}: {share}, so the last "
             f"rounds undid what the model learned ({because} clients pull it toward their own labels). Try more "
             "clients per round, lower learning rates (`fedpeft tune CONFIG --trials 8` scores every round) or more "
             "rounds")
