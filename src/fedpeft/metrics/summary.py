@@ -131,14 +131,14 @@ def not_learned(records: list[dict[str, Any]], metric: str, majority: float | No
     best_round, best = max(evaluated, key=lambda e: e[1])
     final = evaluated[-1][1]
     start = next((r["eval"][metric] for r in records if r["round"] == 0 and metric in r.get("eval", {})), None)
-    by_majority = metric == "accuracy" and majority is not None and eval_examples > 0
+    counted = majority if metric == "accuracy" and eval_examples > 0 else None  # the majority level applies
     untrained = max(start, 0.0) if start is not None else 0.0
-    level = majority_level(majority, eval_examples) if majority is not None and by_majority else untrained
+    level = majority_level(counted, eval_examples) if counted is not None else untrained
     if final > level:
         return None
     d = apart(best, level) if best > level else 3  # a best just above the level must not print as the level
-    if by_majority:
-        share = (f"always answering the eval split's most frequent class scores {majority:.3f}, {level:.{d}f} "
+    if counted is not None:
+        share = (f"always answering the eval split's most frequent class scores {counted:.3f}, {level:.{d}f} "
                  "with its noise")
     else:
         share = (f"the untrained model (round 0) scores {start:.{d}f}" if start is not None and start >= 0 else
