@@ -71,6 +71,11 @@ def test_yaml_and_overrides(tmp_path: Path) -> None:
          "unknown field for method 'lora' with strategy 'fedavg'"),
         ({"method": "flasc", "strategy": {"name": "fedavg", "weight_decay": 0.1}}, "strategy.weight_decay",
          "unknown field"),  # FedAdamW's, not FedAvg's
+        # a server optimiser's own field set for a server that never reads it (plain FedAvg under a FedProx label)
+        ({"method": "lora", "strategy": {"proximal_mu": 0.1}}, "strategy.proximal_mu", "read by strategy fedprox"),
+        ({"method": "lora", "strategy": {"name": "fedadagrad", "beta2": 0.9}}, "strategy.beta2",
+         "fedadam or fedadamw or fedyogi"),
+        ({"method": "flasc", "strategy": {"server_momentum": 0.5}}, "strategy.server_momentum", "strategy 'fedadamw'"),
         ({"method": "federa", "adapter": {"svd_absorb_scal": True}}, "adapter.svd_absorb_scal",
          "did you mean 'svd_absorb_scale'"),
         ({"method": "lora", "adapter": {"svd_absorb_scale": True}}, "adapter.svd_absorb_scale", "(init 'kaiming')"),
@@ -90,6 +95,16 @@ def test_a_recipe_default_the_users_choice_does_not_read_is_no_error() -> None:
     cfg = build_config({"method": "flasc", "strategy": {"name": "fedavg", "down_density": 0.25}})
     assert cfg.strategy.model_extra["weight_decay"] == 0.01 and cfg.strategy.model_extra["down_density"] == 0.25
     assert build_config(cfg.model_dump(mode="json")) == cfg  # nor when the resolved config is read back
+
+
+def test_server_optimiser_fields_where_something_reads_them() -> None:
+    """FedPepTAO's own server reads the momentum under ``name: fedavg``; a resolved config, which holds
+    every field at its default, reads back whatever its strategy."""
+    assert build_config({"method": "fedpeptao", "strategy": {"server_momentum": 0.5}}).strategy.server_momentum == 0.5
+    assert build_config({"method": "lora", "strategy": {"name": "fedprox", "proximal_mu": 0.1}}).strategy.proximal_mu \
+        == 0.1
+    cfg = build_config({"method": "lora"})
+    assert build_config(cfg.model_dump(mode="json")) == cfg
 
 
 def test_bad_override_syntax() -> None:

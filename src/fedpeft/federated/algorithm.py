@@ -24,7 +24,7 @@ from fedpeft.config import ConfigError, ExperimentConfig, StrategyConfig, refuse
 from fedpeft.data.types import TaskData
 from fedpeft.federated.client import ModelSlot, TrainStats, train_client
 from fedpeft.federated.selection import build_selector
-from fedpeft.federated.strategy import STRATEGIES, build_strategy
+from fedpeft.federated.strategy import OPTIMIZER_FIELDS, STRATEGIES, build_strategy
 from fedpeft.federated.types import ClientResult, ClientTask, State
 from fedpeft.models.backbone import Backbone
 from fedpeft.models.encoding import EncodedData
@@ -50,13 +50,15 @@ class Algorithm:
     ``server_dp`` says whether it aggregates through ``strategy.aggregate``, where the server's DP
     (FedAdamW's clipping and noise) happens; a method that does not refuses a DP strategy.
     ``strategy_options`` are the models of the method's own ``strategy.*`` fields (the section allows
-    extras for them; :func:`check_strategy_fields` refuses any that no model names).
+    extras for them; :func:`check_strategy_fields` refuses any that no model names);
+    ``optimizer_fields`` the server-optimiser fields of ``StrategyConfig`` its own server step reads.
     """
 
     name: ClassVar[str] = "default"
     robust_aggregations: ClassVar[tuple[str, ...]] = ("none", "clip", "median", "trimmed_mean")
     server_dp: ClassVar[bool] = True
     strategy_options: ClassVar[tuple[type[BaseModel], ...]] = ()
+    optimizer_fields: ClassVar[frozenset[str]] = frozenset()  # OPTIMIZER_FIELDS its own server reads
 
     def __init__(self, cfg: ExperimentConfig, ctx: MethodContext) -> None:
         if cfg.strategy.robust not in self.robust_aggregations:
@@ -135,12 +137,23 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
 
 def check_strategy_fields(cfg: ExperimentConfig, algorithm: str, given: set[str]) -> None:
     """Refuse a ``strategy.*`` field the user ``given`` that neither the method's algorithm nor the
-    strategy reads (:func:`fedpeft.config.refuse_unread`)."""
+    strategy reads: an extra field no options model names (:func:`fedpeft.config.refuse_unread`), or a
+    server-optimiser field (:data:`OPTIMIZER_FIELDS`) set away from its default for a server that never
+    reads it. A given value equal to the default changes nothing (a resolved config holds them all)."""
     if algorithm not in ALGORITHMS or cfg.strategy.name not in STRATEGIES:
         return  # an unknown algorithm or strategy is named by its own error
-    models = (*ALGORITHMS[algorithm].strategy_options, *STRATEGIES[cfg.strategy.name].strategy_options)
-    refuse_unread("strategy", given, cfg.strategy.model_extra or {}, models,
-                  f"method {cfg.method!r} with strategy {cfg.strategy.name!r}", StrategyConfig.model_fields)
+    method, strategy = ALGORITHMS[algorithm], STRATEGIES[cfg.strategy.name]
+    owner = f"method {cfg.method!r} with strategy {cfg.strategy.name!r}"
+    refuse_unread("strategy", given, cfg.strategy.model_extra or {},
+                  (*method.strategy_options, *strategy.strategy_options), owner, StrategyConfig.model_fields)
+    read = method.optimizer_fields | strategy.optimizer_fields
+    for field in sorted(given & OPTIMIZER_FIELDS - read):
+        value = getattr(cfg.strategy, field)
+        if value == StrategyConfig.model_fields[field].default:
+            continue
+        readers = sorted(name for name, cls in STRATEGIES.items() if field in cls.optimizer_fields)
+        raise ConfigError(f"strategy.{field}", f"{owner} never reads it, so {value} would change nothing; "
+                          f"it is read by strategy {' or '.join(readers)} (set strategy.name), or remove it")
 
 
 def build_algorithm(name: str, cfg: ExperimentConfig, ctx: MethodContext) -> Algorithm:

@@ -2,6 +2,7 @@
 
 from fedpeft.federated.strategy import fedadagrad, fedadam, fedadamw, fedavg, fedavgm, fedprox, fedyogi
 from fedpeft.federated.strategy.base import (
+    OPTIMIZER_FIELDS,
     STRATEGIES,
     Strategy,
     build_strategy,
@@ -10,6 +11,6 @@ from fedpeft.federated.strategy.base import (
 )
 
 __all__ = [
-    "STRATEGIES", "Strategy", "build_strategy", "fedadagrad", "fedadam", "fedadamw", "fedavg", "fedavgm", "fedprox",
-    "fedyogi", "register_strategy", "weighted_mean",
+    "OPTIMIZER_FIELDS", "STRATEGIES", "Strategy", "build_strategy", "fedadagrad", "fedadam", "fedadamw", "fedavg",
+    "fedavgm", "fedprox", "fedyogi", "register_strategy", "weighted_mean",
 ]

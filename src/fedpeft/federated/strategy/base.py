@@ -17,6 +17,12 @@ from pydantic import BaseModel
 from fedpeft.config import ConfigError, StrategyConfig
 from fedpeft.federated.types import ClientResult, State
 
+OPTIMIZER_FIELDS = frozenset({"server_momentum", "beta1", "beta2", "tau", "proximal_mu"})
+"""``StrategyConfig`` fields that only some server optimisers (or a method's own server) read; the rest
+(selection, ``server_lr``, weighting, robust aggregation, ...) apply to every strategy. A value given for
+one that nothing in the run reads is refused (:func:`fedpeft.federated.algorithm.check_strategy_fields`):
+``proximal_mu`` with ``name: fedavg`` would otherwise run plain FedAvg under a FedProx label."""
+
 
 def weighted_mean(updates: Sequence[State], weights: Sequence[float]) -> State:
     """Per-key mean of ``updates`` weighted by ``weights``, over the updates holding the key."""
@@ -36,6 +42,7 @@ class Strategy(ABC):
     name: ClassVar[str]
     default_weighting: ClassVar[str] = "samples"
     strategy_options: ClassVar[tuple[type[BaseModel], ...]] = ()  # its own ``strategy.*`` fields
+    optimizer_fields: ClassVar[frozenset[str]] = frozenset()  # the OPTIMIZER_FIELDS it reads
 
     def __init__(self, cfg: StrategyConfig) -> None:
         self.cfg = cfg

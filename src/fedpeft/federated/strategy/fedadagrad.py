@@ -11,6 +11,7 @@ from fedpeft.federated.strategy.fedopt import FedOpt
 @register_strategy
 class FedAdagrad(FedOpt):
     name = "fedadagrad"
+    optimizer_fields = frozenset({"beta1", "tau"})  # Adagrad's second moment has no beta2
 
     def second_moment(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return v + delta * delta

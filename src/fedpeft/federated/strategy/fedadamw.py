@@ -107,6 +107,7 @@ class FedAdamW(Strategy):
     name = "fedadamw"
     default_weighting = "uniform"
     strategy_options = (FedAdamWOptions,)
+    optimizer_fields = frozenset({"beta1", "beta2"})
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)

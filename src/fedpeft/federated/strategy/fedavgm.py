@@ -13,6 +13,7 @@ from fedpeft.federated.types import State
 @register_strategy
 class FedAvgM(Strategy):
     name = "fedavgm"
+    optimizer_fields = frozenset({"server_momentum"})
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)

@@ -11,6 +11,7 @@ from fedpeft.federated.strategy.fedavg import FedAvg
 @register_strategy
 class FedProx(FedAvg):
     name = "fedprox"
+    optimizer_fields = frozenset({"proximal_mu"})
 
     def client_config(self) -> dict[str, Any]:
         return {"proximal_mu": self.cfg.proximal_mu}

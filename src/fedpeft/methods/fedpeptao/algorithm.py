@@ -140,6 +140,7 @@ def parse_options(cfg: ExperimentConfig) -> FedPepTAOOptions:
 class FedPepTAO(Algorithm):
     name = "fedpeptao"
     strategy_options = (FedPepTAOOptions,)
+    optimizer_fields = frozenset({"server_momentum"})  # Alg. 2's momentum
     robust_aggregations = ("none", "clip")  # Alg. 2's control variates need each device's own delta
     server_dp = False  # Alg. 2's own server step
 
