@@ -229,13 +229,17 @@ def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
     skew = "2 of the 3 clients hold 90% or more of one class (47% of the training examples)"
     skewed = not_learned(records(0.6, 0.62, None, 0.648), "accuracy", 0.6, 400, skew)
     assert skewed is not None and f"so the model has not learned. {skew}: each round's clients" in skewed
-    assert "Try more clients per round (strategy.clients_per_round) and more rounds first, then `fedpeft tune" in skewed
+    adjusted = "Try the logit-adjusted loss with SGD clients (client.logit_adjustment: 1, client.optimizer: sgd), "
+    assert adjusted + "more clients per round (strategy.clients_per_round) and more rounds first, then `fedpeft tune" \
+        in skewed
     told = not_learned(records(0.6, 0.62), "accuracy", 0.6, 400, skew, (5, 20))
-    assert told is not None and "Try more clients per round (strategy.clients_per_round, 5 of 20 now) and more" in told
+    assert told is not None and adjusted + "more clients per round (strategy.clients_per_round, 5 of 20 now)" in told
     every = not_learned(records(0.6, 0.62), "accuracy", 0.6, 400, skew, (20, 20))  # every client takes part
-    assert every is not None and "Try more rounds first, then `fedpeft tune" in every
+    assert every is not None and "client.optimizer: sgd) and more rounds first, then `fedpeft tune" in every
     lost_skewed = not_learned(records(0.6, 0.80, 0.75, 0.61), "accuracy", 0.6, 400, skew)
     assert lost_skewed is not None and f"({skew}: each round's clients pull it toward their own labels)" in lost_skewed
+    assert adjusted + "more clients per round, lower learning rates" in lost_skewed
+    assert "logit_adjustment" not in lost  # without a measured skew the loss is not the first suspect
     assert not_learned(records(0.9, None), "accuracy", 0.6, 400) is None  # round 0 alone: nothing trained
     # a best just above the level prints with the digits that tell them apart (level 0.5 + 0.049 = 0.549)
     edge = not_learned(records(0.5, 0.5492, 0.5), "accuracy", 0.5, 400)

@@ -224,6 +224,11 @@ class ClientConfig(_Strict):
     reply: in every engine a client whose simulated round time (download + measured compute x
     ``network.compute_scale`` x straggler slowdown + upload) exceeds it is dropped and recorded; in
     the Flower engine it also bounds the real wait for a SuperNode's reply (per client it serves).
+
+    ``logit_adjustment`` (tau, classification only): local training adds ``tau * log(prior)`` to the
+    logits before the cross-entropy, the prior being the client's own label frequencies (add-one
+    smoothed), so a client that holds mostly one class learns the boundary instead of its own prior
+    (:func:`fedpeft.federated.client.logit_adjusted_loss`). 0 (default): the model's own loss.
     """
 
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
@@ -235,8 +240,17 @@ class ClientConfig(_Strict):
     local_steps: PositiveInt | None = None
     batch_size: PositiveInt = 16
     grad_clip: PositiveFloat | None = None
+    logit_adjustment: Annotated[float, Field(ge=0)] = 0.0
     dp: DPConfig | None = None
     timeout_seconds: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _private_prior(self) -> ClientConfig:
+        if self.dp is not None and self.logit_adjustment > 0:
+            raise ConfigError("client.logit_adjustment", "not with client.dp: the prior is counted from the client's "
+                              "labels, so one example would change every example's loss and DP-SGD's bound would not "
+                              "hold")
+        return self
 
 
 class StrategyConfig(_Strict):

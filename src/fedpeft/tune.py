@@ -55,7 +55,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
-from fedpeft.metrics.summary import CLASSIFIED, majority_level, majority_rate
+from fedpeft.metrics.summary import ADJUSTED_LOSS, CLASSIFIED, majority_level, majority_rate
 from fedpeft.seeding import derive_seed
 
 DEFAULT_VALIDATION_FRACTION = 0.1
@@ -512,8 +512,8 @@ def _not_learned(best: Any, metric: str) -> str | None:
     else:
         reference = "0 is what a model that has learned nothing scores"
     return (f"the best trial ({best.number}) ends at {metric} {best.value:.3f}, and {reference}. best.yaml holds "
-            "it all the same; before running it, widen the space (--space), give the trials more rounds, or more "
-            "clients per round on label-skewed clients")
+            "it all the same; before running it, widen the space (--space), give the trials more rounds, or on "
+            f"label-skewed clients try {ADJUSTED_LOSS} or more clients per round")
 
 
 def _write_csv(trials: list[Any], space: Space, path: Path) -> None:

@@ -116,6 +116,7 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
     optimizer = build_optimizer(params, cfg, task.config.get("lr"))
     mu = float(task.config.get("proximal_mu", 0.0))
     anchors = [start[n] for n in train_names] if mu > 0 else []
+    counts = np.bincount([int(data.labels[i]) for i in shard]) if cfg.logit_adjustment > 0 else None
 
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -144,7 +145,8 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
             with counter if counter is not None else nullcontext():
                 step_optimizer.zero_grad(set_to_none=True)
                 if dp is None:
-                    loss = slot.model(**batch).loss
+                    loss = (slot.model(**batch).loss if counts is None
+                            else logit_adjusted_loss(slot.model, batch, counts, cfg.logit_adjustment))
                     objective = loss
                     if mu > 0:
                         objective = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchors))
@@ -182,6 +184,23 @@ def train_client(slot: ModelSlot, data: EncodedData, shard: np.ndarray, task: Cl
         metrics={"steps": float(stats.steps)},
     )
     return result, stats
+
+
+def logit_adjusted_loss(model: nn.Module, batch: dict[str, torch.Tensor], counts: np.ndarray,
+                        tau: float) -> torch.Tensor:
+    """Cross-entropy of ``logits + tau * log(prior)`` (``client.logit_adjustment``): the logit-adjusted
+    loss of Menon et al. (2021, Eq. 11; tau = 1 is Ren et al.'s balanced softmax), with the prior
+    counted on the client's own shard, as FedLC (Zhang et al., 2022) calibrates each client's logits by
+    its local label distribution under label skew. A class the client over-represents already has its
+    share of the logit, so its examples push the shared model's boundary, not its bias; evaluation reads
+    the raw logits (the prior-free, balanced decision). Add-one smoothing keeps a class the client
+    lacks finite (``counts``: the shard's labels counted; classes past its largest label count 0)."""
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logits = model(**inputs).logits.float()
+    full = np.zeros(logits.shape[-1])
+    full[: len(counts)] = counts
+    prior = torch.as_tensor((full + 1) / (full.sum() + len(full)), dtype=torch.float32, device=logits.device)
+    return nn.functional.cross_entropy(logits + tau * prior.log(), batch["labels"])
 
 
 @torch.no_grad()
