@@ -343,6 +343,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
     lines += ["Values: mean ± std over seeds [95% interval: t over seeds; one seed: binomial from the eval size]. "
               "'within noise': the final interval overlaps the best method's in the same cell.", ""]
     ceilings = {r["task"]: r for r in data["ceilings"]}
+    by_seed = _finals_by_seed(data["rows"])
     cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in data["summary"]:
         cells.setdefault((row["task"], row["partition"]), []).append(row)
@@ -353,14 +354,16 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
             c = ceilings[task]
             lines += [f"Centralised ceiling ({c['method']}, {c['rounds']} epochs): best {metric} "
                       f"{metric_cell(c, 'best_metric')}; 90% of it: {CEILING_FRACTION * c['best_metric']:.3f}.", ""]
-        lines += [f"| method | eval n | seeds | trainable params | final {metric} | best {metric} | final vs best | "
-                  "uplink / client / round | rounds to target | time to target |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| method | eval n | seeds | trainable params | final {metric} | final by seed | best {metric} | "
+                  "final vs best | uplink / client / round | rounds to target | time to target |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: -(r["final_metric"] or 0)):
             reached = f"{r['seeds_reaching_target']}/{len(r['seeds'])}"
+            finals = by_seed.get((task, partition, r["method"]), [])
             lines.append(
                 f"| `{r['method']}` | {r.get('eval_examples') or '-'} | {len(r['seeds'])} | "
-                f"{r['trainable_params']:,} | {metric_cell(r, 'final_metric')} | {metric_cell(r, 'best_metric')} | "
+                f"{r['trainable_params']:,} | {metric_cell(r, 'final_metric')} | "
+                f"{' / '.join(f'{v:.3f}' for v in finals) or '-'} | {metric_cell(r, 'best_metric')} | "
                 f"{r.get('vs_best', '-')} | {human_bytes(r['uplink_bytes_per_client_round'] or 0)} | "
                 f"{_fmt_opt(r['rounds_to_target'])} ({reached}) | {_time_cell(r)} |")
         lines.append("")
@@ -412,6 +415,18 @@ def markdown_from_file(path: Path, data: dict[str, Any] | None = None) -> str:
     (``benchmarks/suite.py`` rewrites them all)."""
     figures = [f for kind in FIGURES if (f := path.with_name(f"{path.stem}_{kind}.png")).exists()]
     return markdown(json.loads(path.read_text()) if data is None else data, figures)
+
+
+def _finals_by_seed(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[float]]:
+    """Each method's final values in seed order, by (task, partition, method): the mean and interval hide
+    whether seeds split into runs that learned and runs left at one class, which the seeds' own values
+    show."""
+    groups: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
+    for row in rows:
+        if row.get("final_metric") is not None:
+            key = (row["task"], row["partition"], row["method"])
+            groups.setdefault(key, []).append((row.get("seed") or 0, row["final_metric"]))
+    return {key: [value for _, value in sorted(members)] for key, members in groups.items()}
 
 
 def _fmt_opt(value: float | None) -> str:
