@@ -364,7 +364,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                 f"| `{r['method']}` | {r.get('eval_examples') or '-'} | {len(r['seeds'])} | "
                 f"{r['trainable_params']:,} | {metric_cell(r, 'final_metric')} | "
                 f"{' / '.join(f'{v:.3f}' for v in finals) or '-'} | {metric_cell(r, 'best_metric')} | "
-                f"{r.get('vs_best', '-')} | {human_bytes(r['uplink_bytes_per_client_round'] or 0)} | "
+                f"{r.get('vs_best', '-')} | {_uplink_cell(r)} | "
                 f"{_fmt_opt(r['rounds_to_target'])} ({reached}) | {_time_cell(r)} |")
         lines.append("")
     if data["tuning"]:
@@ -427,6 +427,12 @@ def _finals_by_seed(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], li
             key = (row["task"], row["partition"], row["method"])
             groups.setdefault(key, []).append((row.get("seed") or 0, row["final_metric"]))
     return {key: [value for _, value in sorted(members)] for key, members in groups.items()}
+
+
+def _uplink_cell(row: dict[str, Any]) -> str:
+    """Bytes a client uploads a round; '-' for one client holding all the data (a centralised run sends
+    nothing anywhere: its 'upload' is the update the engine passes to itself)."""
+    return "-" if row.get("clients") == 1 else human_bytes(row["uplink_bytes_per_client_round"] or 0)
 
 
 def _fmt_opt(value: float | None) -> str:
