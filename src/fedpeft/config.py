@@ -228,7 +228,8 @@ class ClientConfig(_Strict):
     ``logit_adjustment`` (tau, classification only): local training adds ``tau * log(prior)`` to the
     logits before the cross-entropy, the prior being the client's own label frequencies (add-one
     smoothed), so a client that holds mostly one class learns the boundary instead of its own prior
-    (:func:`fedpeft.federated.client.logit_adjusted_loss`). 0 (default): the model's own loss.
+    (:func:`fedpeft.federated.client.logit_adjusted_loss`; with ``optimizer: sgd``, whose steps scale
+    with the gradient, unlike Adam's). 0 (default): the model's own loss.
     """
 
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"

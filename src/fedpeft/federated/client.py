@@ -194,7 +194,10 @@ def logit_adjusted_loss(model: nn.Module, batch: dict[str, torch.Tensor], counts
     its local label distribution under label skew. A class the client over-represents already has its
     share of the logit, so its examples push the shared model's boundary, not its bias; evaluation reads
     the raw logits (the prior-free, balanced decision). Add-one smoothing keeps a class the client
-    lacks finite (``counts``: the shard's labels counted; classes past its largest label count 0)."""
+    lacks finite (``counts``: the shard's labels counted; classes past its largest label count 0).
+    It needs steps that scale with the gradient (SGD): Adam rescales a one-class client's small
+    gradients to full-size steps (on MPQA, LoRA with it under AdamW still ended at one class on every
+    seed; with SGD at 0.83; benchmarks/results/first_run_adjusted.md)."""
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     logits = model(**inputs).logits.float()
     full = np.zeros(logits.shape[-1])
