@@ -18,6 +18,7 @@ from fedpeft.federated.types import State
 
 class FedOpt(Strategy):
     optimizer_fields = frozenset({"beta1", "beta2", "tau"})
+
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.m: State = {}
