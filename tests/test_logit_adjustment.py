@@ -1,5 +1,5 @@
 """``client.logit_adjustment``: the logit-adjusted loss on a client's own label prior, its exact maths,
-where it is refused, and a skewed federation that learns with it."""
+where it is refused, and a run through the engine that learns with it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_a_one_class_client_barely_pushes_its_class() -> None:
     assert grads[1] == pytest.approx(0.25 * (1 / 101), rel=1e-5)
 
 
-def test_refused_with_dp_and_off_a_classifier(tmp_path: Path, toy_files: tuple[Path, Path]) -> None:
+def test_refused_with_dp_and_off_a_classifier(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         build_config({"client": {"logit_adjustment": 1.0, "dp": {"epsilon": 8.0}}})
     assert info.value.field == "client.logit_adjustment" and "DP-SGD" in str(info.value)

@@ -113,6 +113,11 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
     task, shards = load_data(cfg, data_dir)
     placement = Placement.from_config(cfg.engine)
     backbone, slot = build_model(cfg, task, placement)
+    if cfg.client.logit_adjustment > 0 and (task.problem_type != "classification"
+                                            or backbone.head != "sequence_classification"):
+        raise ConfigError("client.logit_adjustment", f"adjusts a classifier's logits by the client's label prior: "
+                          f"needs a classification task on a sequence_classification head, not {task.problem_type} "
+                          f"on a {backbone.head} head")
     spans = SpanSettings.from_config(cfg)
     def encode(examples: Sequence[Example]) -> EncodedData:
         data = encode_examples(examples, backbone.tokenizer, backbone.head, task, cfg.task.max_length,
@@ -124,11 +129,6 @@ def prepare(cfg: ExperimentConfig, data_dir: str | None = None) -> Experiment:
         return data
 
     train_data, eval_data = encode(task.train), encode(task.eval)
-    if cfg.client.logit_adjustment > 0 and (task.problem_type != "classification"
-                                            or train_data.head != "sequence_classification"):
-        raise ConfigError("client.logit_adjustment", f"adjusts a classifier's logits by the client's label prior: "
-                          f"needs a classification task on a sequence_classification head, not {task.problem_type} "
-                          f"on a {train_data.head} head")
     validation_data = encode(task.validation) if task.validation else None
     train_rows = [train_data.rows_of(shard) for shard in shards]
     ctx = MethodContext(backbone=backbone, slot=slot, task=task, shards=train_rows, train_data=train_data)
