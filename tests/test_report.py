@@ -262,6 +262,13 @@ def test_not_learned_tells_never_learned_from_learned_then_lost() -> None:
     assert not_learned(records(None, 0.01, metric="f1"), "f1", None, 400) is None  # above 0, no round 0 to beat
     # a Matthews correlation whose untrained value is below 0 still has to rise above 0
     assert not_learned(records(-0.05, 0.0, metric="matthews"), "matthews", None, 400) is not None
+    # macro-F1 of a one-class model on a 72/28 split is 0.4186, above the untrained model's 0.30: that is the level
+    one_class = not_learned(records(0.30, 0.4186, metric="macro_f1"), "macro_f1", 0.4186, 400)
+    assert one_class is not None and one_class.startswith("macro_f1 never rose above 0.419: answering one class "
+                                                          "for every eval example scores 0.419")
+    assert not_learned(records(0.30, 0.45, metric="macro_f1"), "macro_f1", 0.4186, 400) is None
+    # an untrained model above the one-class score stays the level
+    assert not_learned(records(0.50, 0.45, metric="macro_f1"), "macro_f1", 0.4186, 400) is not None
     # accuracy without a class to count (not a classification): the untrained model is the level
     assert not_learned(records(0.6, 0.6), "accuracy", None, 400) is not None
     assert not_learned(records(0.6, 0.7), "accuracy", None, 400) is None

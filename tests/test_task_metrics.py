@@ -78,3 +78,18 @@ def test_unknown_metric_lists_allowed() -> None:
 def test_length_mismatch() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         compute_metrics(["accuracy"], PREDICTIONS[:3], REFERENCES)
+
+
+def test_constant_score_is_the_best_one_class_answer() -> None:
+    """72 negatives, 28 positives: accuracy 0.72; binary F1 answers the positive class, 2 * 0.28 / 1.28;
+    macro-F1 answers the majority, (2 * 0.72 / 1.72) / 2; Matthews 0; regression has no such level."""
+    from fedpeft.metrics.task_metrics import constant_score
+
+    references = [0] * 72 + [1] * 28
+    assert constant_score("accuracy", references) == pytest.approx(0.72)
+    assert constant_score("f1", references) == pytest.approx(2 * 0.28 / 1.28)
+    assert constant_score("macro_f1", references) == pytest.approx(0.72 / 1.72)
+    assert constant_score("matthews", references) == 0.0
+    assert constant_score("pearson", references) is None and constant_score("accuracy", []) is None
+    # three classes, 50/30/20: macro-F1 of answering class 0 is (2 * 0.5 / 1.5) / 3
+    assert constant_score("macro_f1", [0] * 50 + [1] * 30 + [2] * 20) == pytest.approx(2 / 9)

@@ -75,8 +75,14 @@ def test_a_tune_in_which_no_trial_learned_says_so(toy: tuple[dict[str, Any], Pat
     said = json.loads((tmp_path / "t" / "tune.json").read_text())["not_learned"]
     assert said.startswith("the best trial (0) ends at validation accuracy 0.")
     assert "most frequent class scores 0.500 (0.745 with its noise over 16 examples)" in said
-    learned = SimpleNamespace(number=2, value=0.8125, user_attrs={"majority": 0.5, "validation_examples": 16})
+    attrs = {"constant": 0.5, "validation_examples": 16, "metric": "accuracy"}
+    learned = SimpleNamespace(number=2, value=0.8125, user_attrs=attrs)
     assert _not_learned(learned, "validation accuracy") is None
+    # scored by macro-F1 on a classification task: the best one-class answer is the level, without a band
+    attrs = {"constant": 0.4186, "validation_examples": 200, "metric": "macro_f1"}
+    one_class = _not_learned(SimpleNamespace(number=1, value=0.4186, user_attrs=attrs), "validation macro_f1")
+    assert one_class is not None and "answering one class for every validation example scores 0.419" in one_class
+    assert _not_learned(SimpleNamespace(number=1, value=0.45, user_attrs=attrs), "validation macro_f1") is None
     # scored by another metric: only 0 is a known level (an F1 of 0 finds nothing right)
     assert _not_learned(SimpleNamespace(number=2, value=0.5, user_attrs={}), "validation f1") is None
     nothing = _not_learned(SimpleNamespace(number=3, value=0.0, user_attrs={}), "validation entity_f1")

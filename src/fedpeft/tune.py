@@ -55,7 +55,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
-from fedpeft.metrics.summary import ADJUSTED_LOSS, CLASSIFIED, majority_level, majority_rate
+from fedpeft.metrics.summary import ADJUSTED_LOSS, CLASSIFIED, majority_level
+from fedpeft.metrics.task_metrics import constant_score
 from fedpeft.seeding import derive_seed
 
 DEFAULT_VALIDATION_FRACTION = 0.1
@@ -422,8 +423,9 @@ def _run_trial(trial: Any, base: dict[str, Any], params: dict[str, Any], run_dir
         return "failed", None, str(err)
     metric = exp.task.primary_metric
     metric_holder["name"] = f"validation {metric}"
-    if metric == "accuracy" and exp.validation_data is not None and exp.task.problem_type in CLASSIFIED:
-        trial.set_user_attr("majority", majority_rate(exp.validation_data.labels))
+    if exp.validation_data is not None and exp.task.problem_type in CLASSIFIED:
+        trial.set_user_attr("constant", constant_score(metric, exp.validation_data.labels))
+        trial.set_user_attr("metric", metric)
         trial.set_user_attr("validation_examples", len(exp.validation_data))
     trial.set_user_attr("noise", 1 / math.sqrt(max(1, len(exp.task.validation))))
     resume = (run_dir / CONFIG).exists()  # a retried trial continues from its checkpoint (or round 1)
@@ -497,20 +499,22 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
 
 
 def _not_learned(best: Any, metric: str) -> str | None:
-    """Why the best trial has not learned, or None. Scored by accuracy on a classification task: no better
-    than always answering the validation split's most frequent class (with its noise); scored otherwise
-    (F1, exact match, ROUGE, Matthews, Pearson, all higher-is-better): at or below 0, the score of a model
-    that finds nothing right (trials are not scored untrained, so 0 is the only level known)."""
-    majority, examples = best.user_attrs.get("majority"), best.user_attrs.get("validation_examples")
-    if majority is not None and examples:
-        if best.value > (level := majority_level(majority, examples)):
-            return None
-        reference = (f"always answering the validation split's most frequent class scores {majority:.3f} "
+    """Why the best trial has not learned, or None. On a classification task: scored by accuracy, no better
+    than always answering the validation split's most frequent class (with its noise); scored by F1,
+    macro-F1 or Matthews, no better than the best one-class answer (``task_metrics.constant_score``).
+    Otherwise (exact match, ROUGE, Pearson, all higher-is-better): at or below 0, the score of a model that
+    finds nothing right (trials are not scored untrained, so 0 is the only level known)."""
+    constant, examples = best.user_attrs.get("constant"), best.user_attrs.get("validation_examples")
+    if constant is not None and examples and best.user_attrs.get("metric") == "accuracy":
+        level = majority_level(constant, examples)
+        reference = (f"always answering the validation split's most frequent class scores {constant:.3f} "
                      f"({level:.3f} with its noise over {examples} examples)")
-    elif best.value > 0:
-        return None
+    elif constant is not None and constant > 0:
+        level, reference = constant, f"answering one class for every validation example scores {constant:.3f}"
     else:
-        reference = "0 is what a model that has learned nothing scores"
+        level, reference = 0.0, "0 is what a model that has learned nothing scores"
+    if best.value > level:
+        return None
     return (f"the best trial ({best.number}) ends at {metric} {best.value:.3f}, and {reference}. best.yaml holds "
             "it all the same; before running it, widen the space (--space), give the trials more rounds, or on "
             f"label-skewed clients try {ADJUSTED_LOSS} or more clients per round")

@@ -29,6 +29,7 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
         rounds_table,
         summarize,
     )
+    from fedpeft.metrics.task_metrics import constant_score
     from fedpeft.models.pooling import pooling_applies
 
     exp, cfg = engine.exp, engine.exp.cfg
@@ -53,11 +54,13 @@ def run_and_report(engine: RoundEngine, console: Console, resume: bool = False, 
     records = engine.run(resume=resume, on_round=report)
     summary = summarize(records, metric)
     # computed_on: this process's device (local: every client; torchrun: rank 0; flower: the ServerApp's evaluation)
-    majority = majority_rate(exp.eval_data.labels) if exp.task.problem_type in CLASSIFIED else None
+    classified = exp.task.problem_type in CLASSIFIED
+    majority = majority_rate(exp.eval_data.labels) if classified else None
+    constant = constant_score(metric, exp.eval_data.labels) if classified else None
     skew = label_skew(partition_summary(exp)["clients"]) if exp.task.problem_type == "classification" else None
     summary.update(method=cfg.method, task=exp.task.name, engine=cfg.engine.kind,
                    computed_on=exp.slot.placement.describe(), pooling=pooling, majority_rate=majority,
-                   not_learned=not_learned(records, metric, majority, len(exp.eval_data), skew,
+                   not_learned=not_learned(records, metric, constant, len(exp.eval_data), skew,
                                            (cfg.clients_per_round(), cfg.partition.num_clients)))
     engine.recorder.write_summary(summary)
     console.print(rounds_table(records, metric, f"{cfg.method} on {exp.task.name}"))
