@@ -55,7 +55,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
-from fedpeft.metrics.summary import ADJUSTED_LOSS, CLASSIFIED, majority_level
+from fedpeft.metrics.summary import ADJUSTED_LOSS, CLASSIFIED, learned_level
 from fedpeft.metrics.task_metrics import constant_score
 from fedpeft.seeding import derive_seed
 
@@ -504,17 +504,17 @@ def _not_learned(best: Any, metric: str) -> str | None:
     macro-F1 or Matthews, no better than the best one-class answer (``task_metrics.constant_score``).
     Otherwise (exact match, ROUGE, Pearson, all higher-is-better): at or below 0, the score of a model that
     finds nothing right (trials are not scored untrained, so 0 is the only level known)."""
-    constant, examples = best.user_attrs.get("constant"), best.user_attrs.get("validation_examples")
-    if constant is not None and examples and best.user_attrs.get("metric") == "accuracy":
-        level = majority_level(constant, examples)
-        reference = (f"always answering the validation split's most frequent class scores {constant:.3f} "
-                     f"({level:.3f} with its noise over {examples} examples)")
-    elif constant is not None and constant > 0:
-        level, reference = constant, f"answering one class for every validation example scores {constant:.3f}"
-    else:
-        level, reference = 0.0, "0 is what a model that has learned nothing scores"
+    constant, examples = best.user_attrs.get("constant"), best.user_attrs.get("validation_examples") or 0
+    level, kind = learned_level(best.user_attrs.get("metric", ""), constant, examples)
     if best.value > level:
         return None
+    if kind == "majority":
+        reference = (f"always answering the validation split's most frequent class scores {constant:.3f} "
+                     f"({level:.3f} with its noise over {examples} examples)")
+    elif kind == "one_class":
+        reference = f"answering one class for every validation example scores {level:.3f}"
+    else:
+        reference = "0 is what a model that has learned nothing scores"
     return (f"the best trial ({best.number}) ends at {metric} {best.value:.3f}, and {reference}. best.yaml holds "
             "it all the same; before running it, widen the space (--space), give the trials more rounds, or on "
             f"label-skewed clients try {ADJUSTED_LOSS} or more clients per round")

@@ -62,6 +62,19 @@ def majority_level(majority: float, examples: int) -> float:
     return majority + binomial_halfwidth(majority, examples)
 
 
+def learned_level(metric: str, constant: float | None, examples: int, untrained: float = 0.0) -> tuple[float, str]:
+    """The score a model must beat to have learned anything, and which level it is (runs and tunes share
+    this rule): ``"majority"``, for accuracy with ``constant`` (the most frequent class's share) over
+    ``examples`` > 0, that share plus its 95% binomial half-width; ``"one_class"``, for any other metric on
+    a classification split, ``constant`` (``task_metrics.constant_score``) where it is above
+    ``untrained``; else ``"untrained"``, the untrained model's score (never below 0)."""
+    if metric == "accuracy" and constant is not None and examples > 0:
+        return majority_level(constant, examples), "majority"
+    if constant is not None and constant > untrained:
+        return constant, "one_class"
+    return untrained, "untrained"
+
+
 def apart(value: float, level: float, least: int = 3, most: int = 6) -> int:
     """Decimals (``least`` to ``most``) at which ``value`` and ``level`` print differently, so a score just
     above a level (0.5221 over 0.5219) does not read as the level itself."""
@@ -142,18 +155,16 @@ def not_learned(records: list[dict[str, Any]], metric: str, constant: float | No
     best_round, best = max(evaluated, key=lambda e: e[1])
     final = evaluated[-1][1]
     start = next((r["eval"][metric] for r in records if r["round"] == 0 and metric in r.get("eval", {})), None)
-    counted = constant if metric == "accuracy" and eval_examples > 0 else None  # the majority level applies
     untrained = max(start, 0.0) if start is not None else 0.0
-    one_class = constant if counted is None and constant is not None and constant > untrained else None
-    level = majority_level(counted, eval_examples) if counted is not None else max(untrained, one_class or 0.0)
+    level, kind = learned_level(metric, constant, eval_examples, untrained)
     if final > level:
         return None
     d = apart(best, level) if best > level else 3  # a best just above the level must not print as the level
-    if counted is not None:
-        share = (f"always answering the eval split's most frequent class scores {counted:.3f}, {level:.{d}f} "
+    if kind == "majority":
+        share = (f"always answering the eval split's most frequent class scores {constant:.3f}, {level:.{d}f} "
                  "with its noise")
-    elif one_class is not None:
-        share = f"answering one class for every eval example scores {one_class:.{d}f}"
+    elif kind == "one_class":
+        share = f"answering one class for every eval example scores {level:.{d}f}"
     else:
         share = (f"the untrained model (round 0) scores {start:.{d}f}" if start is not None and start >= 0 else
                  "0 is what a model that has learned nothing scores")
