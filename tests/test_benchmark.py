@@ -470,6 +470,19 @@ def test_claim_values_print_in_their_own_units() -> None:
     assert format_value("lora.wall", 20_000.0) == "2e+04"
 
 
+def test_a_ceiling_trained_unlike_its_method_says_how() -> None:
+    """A ceiling's ``config:`` (another optimiser, lr, loss) is named beside it, so 'lora_adjusted' trained
+    with AdamW and no adjustment does not read as the adjusted recipe."""
+    from fedpeft.metrics.results import ceiling_label
+
+    ceiling = {"method": "lora_adjusted", "rounds": 3}
+    assert ceiling_label(ceiling, None) == ceiling_label(ceiling, {}) == "lora_adjusted, 3 epochs"
+    assert ceiling_label(ceiling, {"client": {"optimizer": "adamw", "lr": 0.0009557889723004925,
+                                              "logit_adjustment": 0.0}, "strategy": {"server_lr": 1}}) == (
+        "lora_adjusted, 3 epochs; with client.optimizer = adamw, client.lr = 0.000956, "
+        "client.logit_adjustment = 0, strategy.server_lr = 1")
+
+
 def test_the_readme_claims_table_escapes_pipes_and_lists_each_cell() -> None:
     """Every judged cell is a row of the README's table for its benchmark, with a '|' in a claim escaped."""
     import importlib.util

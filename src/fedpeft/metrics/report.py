@@ -197,10 +197,11 @@ def partition_plot(runs: Sequence[Run], out_dir: Path) -> list[Plot]:
     return [_save(fig, "partition", "training examples per client, by label", out_dir)]
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """A nested config fragment as dotted keys (``client.lr``) into ``out``."""
     if isinstance(value, dict):
         for key, inner in value.items():
-            _flatten(f"{prefix}.{key}" if prefix else str(key), inner, out)
+            flatten(f"{prefix}.{key}" if prefix else str(key), inner, out)
     else:
         out[prefix] = value
 
@@ -226,7 +227,7 @@ def method_values(run: Run) -> MethodValues:
     matrices: dict[str, tuple[int, list[list[float]]]] = {}
     for record in run.trained:
         flat: dict[str, Any] = {}
-        _flatten("", record.get("method", {}), flat)
+        flatten("", record.get("method", {}), flat)
         for key, value in flat.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 series.setdefault(key, []).append((record["round"], float(value)))

@@ -37,7 +37,7 @@ from fedpeft.claims import (
 )
 from fedpeft.config import ConfigError
 from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
-from fedpeft.metrics.report import band, bytes_axis, metric_cell
+from fedpeft.metrics.report import band, bytes_axis, flatten, metric_cell
 from fedpeft.metrics.summary import human_bytes
 from fedpeft.records import stale_runs, write_records
 from fedpeft.sweep import Sweep, SweepRun
@@ -291,7 +291,9 @@ def write_results(sweep: Sweep, command: str, allow_fewer: bool = False) -> dict
         "target": sweep.spec.target, "bandwidth": sweep.spec.bandwidth,
         "tune": None if sweep.spec.tune is None else sweep.spec.tune.model_dump(),
         "rows": [{k: r.get(k) for k in SPEC_FIELDS} for r in rows],
-        "summary": summary, "ceilings": ceilings, "claims": claims, "tuning": tuning_summary(sweep),
+        "summary": summary, "ceilings": ceilings,
+        "ceiling_config": sweep.spec.ceiling.config if sweep.spec.ceiling else None,
+        "claims": claims, "tuning": tuning_summary(sweep),
         "missing_runs": missing, "missing_cells": missing_cells(sweep, missing), "notes": sweep.spec.notes,
         "computed_on": computed_on([*rows, *ceiling_rows]),
     }
@@ -352,7 +354,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         lines += [f"## {_cell_title(task, partition)}", ""]
         if task in ceilings:
             c = ceilings[task]
-            lines += [f"Centralised ceiling ({c['method']}, {c['rounds']} epochs): best {metric} "
+            lines += [f"Centralised ceiling ({ceiling_label(c, data.get('ceiling_config'))}): best {metric} "
                       f"{metric_cell(c, 'best_metric')}; 90% of it: {CEILING_FRACTION * c['best_metric']:.3f}.", ""]
         lines += [f"| method | eval n | seeds | trainable params | final {metric} | final by seed | best {metric} | "
                   "final vs best | uplink / client / round | rounds to target | time to target |",
@@ -433,6 +435,16 @@ def _uplink_cell(row: dict[str, Any]) -> str:
     """Bytes a client uploads a round; '-' for one client holding all the data (a centralised run sends
     nothing anywhere: its 'upload' is the update the engine passes to itself)."""
     return "-" if row.get("clients") == 1 else human_bytes(row["uplink_bytes_per_client_round"] or 0)
+
+
+def ceiling_label(ceiling: Mapping[str, Any], config: Mapping[str, Any] | None) -> str:
+    """Which run the ceiling is: its method, epochs and the settings its ``config:`` fragment changes, so a
+    ceiling trained unlike the method it is named after (another optimiser, lr or loss) says so."""
+    flat: dict[str, Any] = {}
+    flatten("", dict(config or {}), flat)
+    changed = ", ".join(f"{key} = {value:.3g}" if isinstance(value, float) else f"{key} = {value}"
+                        for key, value in flat.items())
+    return f"{ceiling['method']}, {ceiling['rounds']} epochs" + (f"; with {changed}" if changed else "")
 
 
 def _fmt_opt(value: float | None) -> str:
