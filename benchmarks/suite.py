@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpeft.metrics.report import metric_cell
-from fedpeft.metrics.results import format_values, markdown_from_file
+from fedpeft.metrics.results import ceiling_label, format_values, markdown_from_file
 from fedpeft.metrics.summary import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +56,8 @@ def section(data: dict[str, Any]) -> list[str]:
                   f"`fedpeft sweep benchmarks/{name}.yaml` finishes them.", ""]
     ceilings = {row["task"]: row for row in data["ceilings"]}
     for task, row in ceilings.items():
-        lines.append(f"Centralised ceiling on {task} ({row['method']}): best {row['metric']} "
-                     f"{metric_cell(row, 'best_metric')}.")
+        lines.append(f"Centralised ceiling on {task} ({ceiling_label(row, data.get('ceiling_config'))}): "
+                     f"best {row['metric']} {metric_cell(row, 'best_metric')}.")
     if ceilings:
         lines.append("")
     lines += ["| task / partition | method | eval n | seeds | final | vs best | uplink / client / round |",
