@@ -373,10 +373,8 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
         lines += ["## Tuning", "", "| tune | chosen | validation metric | trials (complete / pruned / failed) | "
                   "wall time |", "|---|---|---|---|---|"]
         for key, t in data["tuning"].items():
-            chosen = ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
-                               for k, v in t["best_params"].items())
-            lines.append(f"| {key} | {chosen} | {t['best_value']:.4f} | {t['trials']} ({t['complete']} / "
-                         f"{t['pruned']} / {t['failed']}) | {t['seconds'] / 60:.0f} min |")
+            lines.append(f"| {key} | {_settings(t['best_params'])} | {t['best_value']:.4f} | {t['trials']} "
+                         f"({t['complete']} / {t['pruned']} / {t['failed']}) | {t['seconds'] / 60:.0f} min |")
         lines.append("")
     if data["claims"]:
         lines += ["## Claims", "", "Verdicts: **confirmed** (holds at the pessimistic end of the intervals), "
@@ -442,9 +440,13 @@ def ceiling_label(ceiling: Mapping[str, Any], config: Mapping[str, Any] | None) 
     ceiling trained unlike the method it is named after (another optimiser, lr or loss) says so."""
     flat: dict[str, Any] = {}
     flatten("", dict(config or {}), flat)
-    changed = ", ".join(f"{key} = {value:.3g}" if isinstance(value, float) else f"{key} = {value}"
-                        for key, value in flat.items())
-    return f"{ceiling['method']}, {ceiling['rounds']} epochs" + (f"; with {changed}" if changed else "")
+    return f"{ceiling['method']}, {ceiling['rounds']} epochs" + (f"; with {_settings(flat)}" if flat else "")
+
+
+def _settings(values: Mapping[str, Any]) -> str:
+    """Dotted settings as ``client.lr = 0.000956, client.optimizer = adamw`` (floats to 3 significant digits)."""
+    return ", ".join(f"{key} = {value:.3g}" if isinstance(value, float) else f"{key} = {value}"
+                     for key, value in values.items())
 
 
 def _fmt_opt(value: float | None) -> str:
