@@ -120,6 +120,26 @@ def test_inherit_runs_a_method_at_another_methods_tuned_values(tmp_path: Path) -
     assert "`lora_dp_hi` runs at `lora`'s tuned values." in markdown_from_file(committed, data)
 
 
+def test_exclude_leaves_cells_out_of_the_benchmark_and_their_tunes(tmp_path: Path) -> None:
+    """``exclude``: a baseline run in one partition only is not a product cell left unfinished; a method
+    whose every run is excluded is not tuned; the ceiling stays; a name the file does not hold, or an empty
+    entry (it would leave out everything), is refused before anything runs."""
+    spec = _benchmark(tmp_path)
+    spec["partitions"]["skew"] = {"partition": {"kind": "dirichlet", "alpha": 0.5, "num_clients": 4}}
+    sweep = expand({**spec, "exclude": [{"method": "bitfit", "partition": "skew"}, {"seed": 1, "partition": "iid"}]})
+    assert [r.name for r in sweep.runs] == ["toy_iid_lora_seed0", "toy_skew_lora_seed0", "toy_iid_bitfit_seed0",
+                                            "toy_skew_lora_seed1", "toy_centralized_lora_seed0"]
+    only_skew = expand({**spec, "exclude": [{"method": "bitfit"}]})
+    assert set(only_skew.tunes) == {"toy_iid_lora"}
+    for exclude, message in [([{"method": "ghost"}], r"sweep\.exclude\.0\.method: 'ghost' is not one of the sweep's "
+                               r"methods \(bitfit, lora\)"),
+                             ([{"seed": 7}], r"sweep\.exclude\.0\.seed: 7 is not one of"),
+                             ([{}], r"sweep\.exclude\.0: an empty entry"),
+                             ([{"rounds": 3}], r"sweep\.exclude\.0")]:
+        with pytest.raises(ConfigError, match=message):
+            expand({**spec, "exclude": exclude})
+
+
 def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: Path) -> None:
     """``--only`` runs one part of a benchmark: the runs named, the tunes they wait for (a method left out
     is not tuned) and the ceiling of each task kept (so their claims can be judged); a name the file does

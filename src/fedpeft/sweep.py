@@ -18,6 +18,7 @@ A benchmark names its dimensions, and adds a tuning budget, a centralised ceilin
     methods: {lora_r8: {method: lora, adapter: {r: 8}}, fedtt: {method: fedtt}}
     partitions: {iid: {partition: {kind: iid}}}
     seeds: [0, 1, 2]
+    exclude: [{method: fedtt, partition: iid}]  # cells left out of the product (optional)
     tune: {trials: 8, per: task}          # the SAME trial budget for every method (fedpeft.tune)
     ceiling: {method: lora_r8, rounds: 4} # centralised runs of that method, per task (config: a fragment for them)
     target: {sst2: 0.85}                  # absolute targets for rounds/bytes/time to target
@@ -125,6 +126,9 @@ class SweepFile(_Strict):
     methods: dict[str, dict[str, Any]] = Field(default_factory=dict)
     partitions: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=list)
+    # cells the product leaves out: a run matching every key of one entry ({method: full, partition: iid})
+    # is not part of the benchmark, so its report does not list it as unfinished (GitHub Actions' matrix exclude)
+    exclude: list[dict[Literal["task", "method", "partition", "seed"], str | int]] = Field(default_factory=list)
     tune: TuneBlock | None = None
     ceiling: CeilingBlock | None = None
     target: float | dict[str, float] | None = None
@@ -252,6 +256,8 @@ def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
     # seed-major: a benchmark stopped early has every cell at the first seeds rather than some cells at all
     for seed in seeds:
         for task, method, partition in itertools.product(tasks, methods, partitions):
+            if _excluded(spec, {"task": task, "method": method, "partition": partition, "seed": seed}):
+                continue
             for values in itertools.product(*(spec.grid[k] for k in grid_keys)):
                 sweep.runs.append(_point(sweep, task, method, partition, dict(zip(grid_keys, values)), seed))
     if spec.ceiling is not None:
@@ -264,6 +270,10 @@ def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
         build_config(run.raw)  # validate every point before running any
     _check_prune_after(sweep)
     return sweep
+
+
+def _excluded(spec: SweepFile, cell: dict[str, Any]) -> bool:
+    return any(all(str(cell[key]) == str(value) for key, value in entry.items()) for entry in spec.exclude)
 
 
 def _check_prune_after(sweep: Sweep) -> None:
@@ -280,6 +290,15 @@ def _check_prune_after(sweep: Sweep) -> None:
 
 def _check_names(spec: SweepFile) -> None:
     known = set(spec.methods)
+    dimensions = {"task": set(spec.tasks), "method": known, "partition": set(spec.partitions),
+                  "seed": {str(s) for s in spec.seeds}}
+    for index, entry in enumerate(spec.exclude):
+        if not entry:
+            raise ConfigError(f"sweep.exclude.{index}", "an empty entry would leave out every run")
+        for key, value in entry.items():
+            if str(value) not in dimensions[key]:
+                raise ConfigError(f"sweep.exclude.{index}.{key}", f"{value!r} is not one of the sweep's "
+                                  f"{key}s ({', '.join(sorted(dimensions[key])) or 'none'})")
     for index, claim in enumerate(spec.claims):
         for method, _, _ in references(claim.check):
             if method == CEILING and spec.ceiling is None:
