@@ -129,12 +129,19 @@ def test_exclude_leaves_cells_out_of_the_benchmark_and_their_tunes(tmp_path: Pat
     sweep = expand({**spec, "exclude": [{"method": "bitfit", "partition": "skew"}, {"seed": 1, "partition": "iid"}]})
     assert [r.name for r in sweep.runs] == ["toy_iid_lora_seed0", "toy_skew_lora_seed0", "toy_iid_bitfit_seed0",
                                             "toy_skew_lora_seed1", "toy_centralized_lora_seed0"]
-    only_skew = expand({**spec, "exclude": [{"method": "bitfit"}]})
-    assert set(only_skew.tunes) == {"toy_iid_lora"}
+    without_bitfit = expand({**spec, "exclude": [{"method": "bitfit"}]})
+    assert set(without_bitfit.tunes) == {"toy_iid_lora"}
+    # a list matches any of its values (as --only's V1,V2)
+    listed = expand({**spec, "exclude": [{"method": ["bitfit", "lora"], "partition": "skew"}]})
+    assert [r.name for r in listed.runs] == ["toy_iid_lora_seed0", "toy_iid_bitfit_seed0", "toy_iid_lora_seed1",
+                                             "toy_iid_bitfit_seed1", "toy_centralized_lora_seed0"]
     for exclude, message in [([{"method": "ghost"}], r"sweep\.exclude\.0\.method: 'ghost' is not one of the sweep's "
                                r"methods \(bitfit, lora\)"),
                              ([{"seed": 7}], r"sweep\.exclude\.0\.seed: 7 is not one of"),
                              ([{}], r"sweep\.exclude\.0: an empty entry"),
+                             ([{"partition": ["iid", "dirichlet9"]}], r"sweep\.exclude\.0\.partition: 'dirichlet9' is "
+                              r"not one of"),
+                             ([{"method": []}], r"sweep\.exclude\.0\.method: an empty list names nothing"),
                              ([{"rounds": 3}], r"sweep\.exclude\.0")]:
         with pytest.raises(ConfigError, match=message):
             expand({**spec, "exclude": exclude})

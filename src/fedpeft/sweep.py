@@ -126,9 +126,11 @@ class SweepFile(_Strict):
     methods: dict[str, dict[str, Any]] = Field(default_factory=dict)
     partitions: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=list)
-    # cells the product leaves out: a run matching every key of one entry ({method: full, partition: iid})
-    # is not part of the benchmark, so its report does not list it as unfinished (GitHub Actions' matrix exclude)
-    exclude: list[dict[Literal["task", "method", "partition", "seed"], str | int]] = Field(default_factory=list)
+    # cells the product leaves out: a run matching every key of one entry ({method: full, partition: [iid, x]};
+    # a list matches any of its values, as --only's V1,V2) is not part of the benchmark, so its report does not
+    # list it as unfinished (GitHub Actions' matrix exclude)
+    exclude: list[dict[Literal["task", "method", "partition", "seed"], str | int | list[str | int]]] = Field(
+        default_factory=list)
     tune: TuneBlock | None = None
     ceiling: CeilingBlock | None = None
     target: float | dict[str, float] | None = None
@@ -253,10 +255,12 @@ def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
     partitions = spec.partitions or {"": {}}
     grid_keys = list(spec.grid)
     seeds: list[int | None] = list(spec.seeds) or [None]
+    excluded = _exclusions(spec)
     # seed-major: a benchmark stopped early has every cell at the first seeds rather than some cells at all
     for seed in seeds:
         for task, method, partition in itertools.product(tasks, methods, partitions):
-            if _excluded(spec, {"task": task, "method": method, "partition": partition, "seed": seed}):
+            cell = {"task": task, "method": method, "partition": partition, "seed": str(seed)}
+            if any(_selected(cell, entry) for entry in excluded):
                 continue
             for values in itertools.product(*(spec.grid[k] for k in grid_keys)):
                 sweep.runs.append(_point(sweep, task, method, partition, dict(zip(grid_keys, values)), seed))
@@ -272,8 +276,24 @@ def expand(raw_file: dict[str, Any], sweep_path: Path | None = None) -> Sweep:
     return sweep
 
 
-def _excluded(spec: SweepFile, cell: dict[str, Any]) -> bool:
-    return any(all(str(cell[key]) == str(value) for key, value in entry.items()) for entry in spec.exclude)
+ONLY_KEYS = ("task", "method", "partition", "seed")
+
+
+def _dimensions(spec: SweepFile) -> dict[str, set[str]]:
+    """The names each of :data:`ONLY_KEYS` takes in the file (what ``--only`` and ``exclude`` may name)."""
+    return {"task": set(spec.tasks), "method": set(spec.methods), "partition": set(spec.partitions),
+            "seed": {str(s) for s in spec.seeds}}
+
+
+def _exclusions(spec: SweepFile) -> list[dict[str, set[str]]]:
+    """``exclude`` entries as ``--only`` selections: key -> the names it matches."""
+    return [{key: {str(v) for v in (value if isinstance(value, list) else [value])} for key, value in entry.items()}
+            for entry in spec.exclude]
+
+
+def _selected(fields: dict[str, str], selection: dict[str, set[str]], keys: tuple[str, ...] = ONLY_KEYS) -> bool:
+    """Whether a run's ``fields`` are in ``selection`` for each of ``keys`` (a key it leaves out matches all)."""
+    return all(key not in selection or fields[key] in selection[key] for key in keys)
 
 
 def _check_prune_after(sweep: Sweep) -> None:
@@ -290,15 +310,17 @@ def _check_prune_after(sweep: Sweep) -> None:
 
 def _check_names(spec: SweepFile) -> None:
     known = set(spec.methods)
-    dimensions = {"task": set(spec.tasks), "method": known, "partition": set(spec.partitions),
-                  "seed": {str(s) for s in spec.seeds}}
+    dimensions = _dimensions(spec)
     for index, entry in enumerate(spec.exclude):
         if not entry:
             raise ConfigError(f"sweep.exclude.{index}", "an empty entry would leave out every run")
         for key, value in entry.items():
-            if str(value) not in dimensions[key]:
-                raise ConfigError(f"sweep.exclude.{index}.{key}", f"{value!r} is not one of the sweep's "
-                                  f"{key}s ({', '.join(sorted(dimensions[key])) or 'none'})")
+            if value == []:
+                raise ConfigError(f"sweep.exclude.{index}.{key}", "an empty list names nothing")
+            for name in value if isinstance(value, list) else [value]:
+                if str(name) not in dimensions[key]:
+                    raise ConfigError(f"sweep.exclude.{index}.{key}", f"{name!r} is not one of the sweep's "
+                                      f"{key}s ({', '.join(sorted(dimensions[key])) or 'none'})")
     for index, claim in enumerate(spec.claims):
         for method, _, _ in references(claim.check):
             if method == CEILING and spec.ceiling is None:
@@ -419,8 +441,6 @@ def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
     return raw
 
 
-ONLY_KEYS = ("task", "method", "partition", "seed")
-
 
 def parse_only(items: list[str]) -> dict[str, set[str]]:
     """``--only KEY=V1,V2`` (repeatable) -> {key: values}; KEY is one of :data:`ONLY_KEYS`."""
@@ -439,8 +459,7 @@ def restrict(sweep: Sweep, only: dict[str, set[str]]) -> Sweep:
     folder. A task's centralised ceiling stays with its task (its method, partition and seed are not filtered),
     so the cells that run can be judged. A name that matches nothing is an error, not an empty run."""
     spec = sweep.spec
-    known = {"task": set(spec.tasks), "method": set(spec.methods), "partition": set(spec.partitions),
-             "seed": {str(s) for s in spec.seeds}}
+    known = _dimensions(spec)
     for key, values in only.items():
         if unknown := sorted(values - known[key]):
             raise ConfigError("--only", f"{key} {', '.join(unknown)} not in the sweep file (it has "
@@ -448,8 +467,7 @@ def restrict(sweep: Sweep, only: dict[str, set[str]]) -> Sweep:
 
     def keep(run: SweepRun) -> bool:
         fields = {"task": run.task, "method": run.method, "partition": run.partition, "seed": str(run.seed)}
-        checked = ("task",) if run.ceiling else ONLY_KEYS
-        return all(key not in only or fields[key] in only[key] for key in checked)
+        return _selected(fields, only, ("task",) if run.ceiling else ONLY_KEYS)
 
     runs = [run for run in sweep.runs if keep(run)]
     needed = {run.tune_key for run in runs if run.tune_key is not None}
