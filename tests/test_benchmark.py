@@ -177,6 +177,53 @@ def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: 
     assert not (tmp_path / "runs").exists()
 
 
+def test_grid_methods_tune_point_by_point_within_the_same_budget(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tune.grid``: a method tuned over a space of choices tries each once (``fedpeft tune --grid``, its
+    study stamped so); a grid method without a space of its own, with a range, inheriting or larger than
+    ``tune.trials`` is refused before anything runs, and the results page names the grid."""
+    import fedpeft.sweep as sweep_module
+    from fedpeft.metrics.results import markdown_from_file
+    from fedpeft.sweep import run_sweep, tune_fingerprint
+
+    spec = _benchmark(tmp_path)
+    grid = {"client.lr": {"choices": [0.001, 0.01]}}
+    spec["tune"] = {**spec["tune"], "spaces": {"bitfit": grid}, "grid": ["bitfit"]}
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    started: list[list[str]] = []
+
+    def fake_fedpeft(args: list[str], log: Path) -> int:
+        if args[0] == "tune":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "tune.json").write_text(json.dumps({"best_params": {}}))
+        started.append(args)
+        return 0
+
+    monkeypatch.setattr(sweep_module, "_fedpeft", fake_fedpeft)
+    sweep = run_sweep(path)
+    tunes = {Path(args[args.index("--out") + 1]).name: args for args in started if args[0] == "tune"}
+    assert "--grid" in tunes["toy_iid_bitfit"] and "--grid" not in tunes["toy_iid_lora"]
+    plain = expand({**spec, "tune": {**spec["tune"], "grid": []}})
+    assert tune_fingerprint(sweep, "toy_iid_bitfit") != tune_fingerprint(plain, "toy_iid_bitfit")
+    assert tune_fingerprint(sweep, "toy_iid_lora") == tune_fingerprint(plain, "toy_iid_lora")
+    for tune, message in [({"grid": ["lora"]}, r"tune\.grid\.lora: a grid method is tuned itself"),
+                          ({"grid": ["ghost"]}, r"'ghost' is not one of sweep\.methods"),
+                          ({"spaces": {"bitfit": {"client.lr": {"low": 1e-3, "high": 1e-2}}}},
+                           r"tune\.grid\.bitfit: a grid needs \{choices"),
+                          ({"spaces": {"bitfit": {"client.lr": {"choices": [1e-3, 1e-2, 1e-1]}}}},
+                           r"tune\.grid\.bitfit: the grid has 3 points, more than tune\.trials \(2\)")]:
+        with pytest.raises(ConfigError, match=message):
+            expand({**spec, "tune": {**spec["tune"], **tune}})
+    committed = Path(__file__).parents[1] / "benchmarks" / "results" / "flasc.json"
+    data = json.loads(committed.read_text())
+    data["tune"]["spaces"] = {"lora_dp": {"strategy.server_lr": {"choices": [0.001, 0.02]}}}
+    data["tune"]["grid"] = ["lora_dp"]
+    assert "`lora_dp` tried every point of its grid once (strategy.server_lr in {0.001, 0.02})." in \
+        markdown_from_file(committed, data)
+
+
 def test_device_places_every_tune_and_run_started_and_a_wrong_one_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``fedpeft sweep FILE --device D`` writes ``engine.device: D`` into every tune and run config it starts,

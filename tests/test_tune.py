@@ -280,3 +280,33 @@ def test_tune_real_minilm_lora_on_sst2(tmp_path: Path) -> None:
     best = build_config(yaml.safe_load(result.best_config.read_text()))
     assert best.model.name == "minilm" and 1e-4 <= best.client.lr <= 2e-2  # the lora recipe's space
     assert best.task.validation_fraction == 0.25
+
+
+def test_grid_tries_every_point_once_in_a_seeded_order(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    """``--grid`` (a paper's "picked from these values"): one trial per combination, no defaults trial, the
+    order shuffled by the seed; a trial budget below the grid and a range in the space are refused."""
+    from rich.console import Console
+
+    from fedpeft.tune import grid_points
+
+    raw, _ = toy
+    quiet = Console(quiet=True)
+    space = parse_space({"client.lr": {"choices": [0.001, 0.01, 0.1]}}, "space")
+    orders = [[p["client.lr"] for p in grid_points(space, seed)] for seed in (0, 0, 1, 2, 3)]
+    assert orders[0] == orders[1] and all(sorted(o) == [0.001, 0.01, 0.1] for o in orders)
+    assert len({tuple(o) for o in orders}) > 1
+    two = parse_space({"client.lr": {"choices": [0.001, 0.01]}, "client.momentum": {"choices": [0.0, 0.5]}}, "s")
+    assert sorted((p["client.lr"], p["client.momentum"]) for p in grid_points(two, 0)) == [
+        (0.001, 0.0), (0.001, 0.5), (0.01, 0.0), (0.01, 0.5)]
+    result = tune(raw, tmp_path / "grid", 8, seed=0, space=space, pruner="none", include_defaults=True, grid=True,
+                  console=quiet)
+    rows = _rows(tmp_path / "grid")
+    assert [float(row["client.lr"]) for row in rows] == orders[0] and result.trials == 3
+    assert all(row["note"] == "" for row in rows)  # no trial at the config's own values
+    with pytest.raises(ConfigError, match=r"TUNE_DIR: .* holds the study of another config"):
+        tune(raw, tmp_path / "grid", 3, seed=0, space=space, pruner="none", console=quiet)
+    with pytest.raises(ConfigError, match=r"--trials: the grid has 3 points; 2 trials would leave 1 untried"):
+        tune(raw, tmp_path / "short", 2, space=space, grid=True, console=quiet)
+    ranged = parse_space({"client.lr": {"low": 1e-3, "high": 1e-1, "log": True}}, "space")
+    with pytest.raises(ConfigError, match=r"--grid: a grid needs \{choices: \[\.\.\.\]\} for every key; client\.lr"):
+        tune(raw, tmp_path / "range", 3, space=ranged, grid=True, console=quiet)

@@ -218,7 +218,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     space = load_space(args.space) if args.space else None
     tune(raw, out, args.trials, seed=args.seed, space=space, pruner=args.pruner, rounds=args.rounds,
          validation_fraction=args.validation_fraction, prune_after=args.prune_after,
-         include_defaults=args.include_defaults, data_dir=args.data_dir, console=console)
+         include_defaults=args.include_defaults, grid=args.grid, data_dir=args.data_dir, console=console)
     console.print(f"next: fedpeft run {out / 'best.yaml'}")
     return 0
 
@@ -451,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--include-defaults", action=argparse.BooleanOptionalAction, default=True,
                       help="spend trial 0 on the config's own values, so the tune never picks one that scored "
                            "below them (default: on)")
+    tune.add_argument("--grid", action="store_true",
+                      help="try every combination of a --space of choices once (in a seeded order), as a paper's "
+                           "'picked from these values'; --trials must cover the grid")
     _add_config_args(tune)
     tune.set_defaults(func=cmd_tune)
 

@@ -85,6 +85,9 @@ class TuneBlock(_Strict):
     # trial 0 at each method's own values (`fedpeft tune --include-defaults`); off, as the committed
     # benchmarks' tunes ran, so they re-draw the same trials from a clean clone
     include_defaults: bool = False
+    # methods whose space (all choices) is tried point by point (`fedpeft tune --grid`), e.g. a paper's
+    # "server lr picked from five values"; the grid must fit in `trials`, so the budget stays the same
+    grid: list[str] = Field(default_factory=list)
 
 
 class CeilingBlock(_Strict):
@@ -331,9 +334,12 @@ def _check_names(spec: SweepFile) -> None:
         if claim.baseline is not None and claim.baseline not in known:
             raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")
     if spec.tune is not None:
-        for name in [*spec.tune.skip, *spec.tune.spaces, *spec.tune.inherit, *spec.tune.inherit.values()]:
+        for name in [*spec.tune.skip, *spec.tune.spaces, *spec.tune.inherit, *spec.tune.inherit.values(),
+                     *spec.tune.grid]:
             if name not in known:
                 raise ConfigError("sweep.tune", f"{name!r} is not one of sweep.methods")
+        for name in spec.tune.grid:
+            _check_grid(spec.tune, name)
         for name, source in spec.tune.inherit.items():
             if name in spec.tune.skip or name in spec.tune.spaces:
                 raise ConfigError(f"sweep.tune.inherit.{name}", "a method that inherits tuned values is neither "
@@ -343,6 +349,18 @@ def _check_names(spec: SweepFile) -> None:
                                   "inheriting)")
         if spec.tune.partition is not None and spec.tune.partition not in spec.partitions:
             raise ConfigError("sweep.tune.partition", f"{spec.tune.partition!r} is not one of sweep.partitions")
+
+
+def _check_grid(tune: TuneBlock, name: str) -> None:
+    from fedpeft.tune import grid_points, parse_space
+
+    where = f"sweep.tune.grid.{name}"
+    space = tune.spaces.get(name, tune.space)
+    if name in tune.skip or name in tune.inherit or space is None:
+        raise ConfigError(where, "a grid method is tuned itself, over a space of choices in tune.spaces or tune.space")
+    points = grid_points(parse_space(space, where), tune.seed, where)
+    if len(points) > tune.trials:
+        raise ConfigError(where, f"the grid has {len(points)} points, more than tune.trials ({tune.trials})")
 
 
 def _fragment(sweep: Sweep, task: str, method: str, partition: str) -> dict[str, Any]:
@@ -425,7 +443,8 @@ def tune_fingerprint(sweep: Sweep, key: str) -> str:
     space = tune.spaces.get(job.method, tune.space)
     return study_fingerprint(job.raw, seed=tune.seed, space=None if space is None else parse_space(space, "sweep.tune"),
                              pruner=tune.pruner, rounds=tune.rounds, validation_fraction=tune.validation_fraction,
-                             prune_after=tune.prune_after, include_defaults=tune.include_defaults)
+                             prune_after=tune.prune_after, include_defaults=tune.include_defaults,
+                             grid=job.method in tune.grid)
 
 
 def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
@@ -528,7 +547,8 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         config.write_text(yaml.safe_dump(placed(job.raw), sort_keys=False))
         args = ["tune", str(config), "--trials", str(tune.trials), "--out", str(sweep.tune_dir(key)), "--seed",
                 str(tune.seed), "--pruner", tune.pruner, "--validation-fraction", str(tune.validation_fraction),
-                "--include-defaults" if tune.include_defaults else "--no-include-defaults"]
+                "--include-defaults" if tune.include_defaults else "--no-include-defaults",
+                *(["--grid"] if job.method in tune.grid else [])]
         space = tune.spaces.get(job.method, tune.space)
         if space is not None:
             space_file = configs / f"space_{key}.yaml"

@@ -31,7 +31,9 @@ client lr log-uniform, and the server lr where the strategy steps with one); a `
 ``dotted.key: {low, high, log}`` (or ``{choices: [...]}``, ``type: int``) replaces it. ``fedpeft
 tune`` spends its first trial on the config's own values (``--no-include-defaults`` leaves every
 trial to the sampler), so its choice never scored below the config it started from on validation;
-without it a tune is only as good as its draws.
+without it a tune is only as good as its draws. ``--grid`` runs every combination of a space of
+choices once instead (a paper's "picked from these five values"; FLASC App. B, Figs. 7-8), in an
+order shuffled by the seed, so the pruner sees no systematic order; its trial count is the grid's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import contextlib
 import copy
 import csv
 import hashlib
+import itertools
 import json
 import math
 import statistics
@@ -57,7 +60,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedpeft.config import ConfigError, ExperimentConfig, build_config
 from fedpeft.metrics.summary import ADJUSTED_LOSS, CLASSIFIED, learned_level
 from fedpeft.metrics.task_metrics import constant_score
-from fedpeft.seeding import derive_seed
+from fedpeft.seeding import derive_seed, rng_for
 
 DEFAULT_VALIDATION_FRACTION = 0.1
 STUDY = "fedpeft-tune"
@@ -260,7 +263,7 @@ def _pruner(kind: str, prune_after: int) -> Any:
 
 
 def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, prune_after: int,
-                 include_defaults: bool) -> str:
+                 include_defaults: bool, grid: bool = False) -> str:
     resolved = build_config(base).model_dump(mode="json")
     resolved.pop("output")
     resolved["engine"]["device"] = "auto"  # where trials compute is not the study: a CPU tune resumes on a GPU
@@ -268,6 +271,8 @@ def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, pru
             "pruner": pruner, "prune_after": prune_after}
     if include_defaults:  # only when on, so the studies made before the option still match
         blob["include_defaults"] = True
+    if grid:
+        blob["grid"] = True
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -288,10 +293,21 @@ def _study_setup(raw: dict[str, Any], rounds: int | None, validation_fraction: f
 def study_fingerprint(raw: dict[str, Any], *, seed: int = 0, space: Space | None = None,
                       pruner: Literal["median", "halving", "none"] = "median", rounds: int | None = None,
                       validation_fraction: float | None = None, prune_after: int | None = None,
-                      include_defaults: bool = False) -> str:
+                      include_defaults: bool = False, grid: bool = False) -> str:
     """What :func:`tune` with these arguments stamps on its study (and refuses to resume under another)."""
     base, _, space, prune_after = _study_setup(raw, rounds, validation_fraction, space, prune_after)
-    return _fingerprint(base, space, seed, pruner, prune_after, include_defaults)
+    return _fingerprint(base, space, seed, pruner, prune_after, include_defaults and not grid, grid)
+
+
+def grid_points(space: Space, seed: int, source: str = "--grid") -> list[dict[str, Any]]:
+    """Every combination of a space of choices, in an order shuffled by ``seed``; a range is an error
+    (a grid has no points in it)."""
+    if ranges := [key for key, spec in space.items() if spec.type != "categorical"]:
+        raise ConfigError(source, f"a grid needs {{choices: [...]}} for every key; {', '.join(ranges)} is a range")
+    keys = sorted(space)
+    points = [dict(zip(keys, values, strict=True))
+              for values in itertools.product(*(space[key].choices or [] for key in keys))]
+    return [points[index] for index in rng_for(seed, "grid").permutation(len(points))]
 
 
 def saved_fingerprint(study_db: Path) -> str | None:
@@ -309,7 +325,7 @@ def saved_fingerprint(study_db: Path) -> str | None:
 def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, space: Space | None = None,
          pruner: Literal["median", "halving", "none"] = "median", rounds: int | None = None,
          validation_fraction: float | None = None, prune_after: int | None = None,
-         include_defaults: bool = False, data_dir: str | None = None,
+         include_defaults: bool = False, grid: bool = False, data_dir: str | None = None,
          console: Console | None = None) -> TuneResult:
     """Run (or resume) a study of ``trials`` trials of the config ``raw`` in ``tune_dir``.
 
@@ -317,6 +333,9 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
     ``include_defaults``: trial 0 runs the config's own values (:func:`config_values`; one of the
     ``trials``), so the tune never picks anything that scored below them on validation. Off here and in
     sweep files (the committed benchmarks' tunes drew without it); ``fedpeft tune`` turns it on.
+    ``grid``: one trial per combination of the space's choices (:func:`grid_points`), no sampler and no
+    trial at the defaults; ``trials`` above the grid's size is cut to it, below it is an error (a grid
+    left part-tried is not the grid).
     """
     import optuna
 
@@ -324,8 +343,14 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
     if trials < 1:
         raise ConfigError("--trials", f"must be at least 1, got {trials}")
     base, cfg, space, prune_after = _study_setup(raw, rounds, validation_fraction, space, prune_after)
+    points = grid_points(space, seed) if grid else []
+    if grid:
+        if trials < len(points):
+            raise ConfigError("--trials", f"the grid has {len(points)} points; {trials} trials would leave "
+                              f"{len(points) - trials} untried")
+        trials, include_defaults = len(points), False
     tune_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(base, space, seed, pruner, prune_after, include_defaults)
+    fingerprint = _fingerprint(base, space, seed, pruner, prune_after, include_defaults, grid)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=f"sqlite:///{tune_dir / 'study.db'}", study_name=STUDY,
                                 direction="maximize", pruner=_pruner(pruner, prune_after), load_if_exists=True)
@@ -338,6 +363,9 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
                           "or --include-defaults; use another --out (or delete it)")
     if include_defaults and not study.trials and (start := config_values(cfg, space)):
         study.enqueue_trial(start, user_attrs={"note": "the config's own values"})
+    if grid and not study.trials:
+        for point in points:
+            study.enqueue_trial(point)
     _retry_interrupted(study)
     metric_holder: dict[str, str] = {}
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

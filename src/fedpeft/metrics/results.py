@@ -318,6 +318,15 @@ def _cell_title(task: str, partition: str) -> str:
     return f"{task} / {partition}" if partition else task
 
 
+def _grid(tune: dict[str, Any], method: str) -> str:
+    """``key in {v1, v2}`` for each key of a grid method's space (as the sweep file wrote it)."""
+    parts = []
+    for key, spec in (tune["spaces"].get(method) or tune["space"]).items():
+        values = spec.get("choices", []) if isinstance(spec, dict) else spec
+        parts.append(f"{key} in {{" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values) + "}")
+    return "; ".join(parts)
+
+
 def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
     lines = [f"<!-- command: {data['command']} -->", f"# Benchmark `{data['benchmark']}`", "",
              f"Command: `{data['command']}`  ", f"Machine: {data['machine']}  "]
@@ -334,7 +343,9 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                   f"{tune['validation_fraction']:.0%} of the training data (never the eval split); every run then "
                   "trains without that split." + (f" Not tuned: {', '.join(tune['skip'])}." if tune["skip"] else "")
                   + "".join(f" `{name}` runs at `{source}`'s tuned values." for name, source in
-                            tune.get("inherit", {}).items()),
+                            tune.get("inherit", {}).items())
+                  + "".join(f" `{name}` tried every point of its grid once ({_grid(tune, name)})."
+                            for name in tune.get("grid", [])),
                   ""]
     target = data["target"]
     if target is not None:
