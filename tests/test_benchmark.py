@@ -220,7 +220,7 @@ def test_grid_methods_tune_point_by_point_within_the_same_budget(tmp_path: Path,
     data = json.loads(committed.read_text())
     data["tune"]["spaces"] = {"lora_dp": {"strategy.server_lr": {"choices": [0.001, 0.02]}}}
     data["tune"]["grid"] = ["lora_dp"]
-    assert "`lora_dp` tried every point of its grid once (strategy.server_lr in {0.001, 0.02})." in \
+    assert "`lora_dp` tried every point of its grid once instead (strategy.server_lr in {0.001, 0.02}: 2 trials)." in \
         markdown_from_file(committed, data)
 
 

@@ -310,3 +310,36 @@ def test_grid_tries_every_point_once_in_a_seeded_order(toy: tuple[dict[str, Any]
     ranged = parse_space({"client.lr": {"low": 1e-3, "high": 1e-1, "log": True}}, "space")
     with pytest.raises(ConfigError, match=r"--grid: a grid needs \{choices: \[\.\.\.\]\} for every key; client\.lr"):
         tune(raw, tmp_path / "range", 3, space=ranged, grid=True, console=quiet)
+
+
+def test_a_grid_tune_killed_before_a_point_drew_its_values_still_tries_every_point_once(
+        toy: tuple[dict[str, Any], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between taking a queued point and drawing its values (the point is then only the queue's fixed
+    value, not yet the trial's), the resumed tune runs that point, and no point twice; a grid with a repeated
+    choice is refused."""
+    from rich.console import Console
+
+    import fedpeft.tune as tune_module
+
+    raw, _ = toy
+    quiet = Console(quiet=True)
+    space = parse_space({"client.lr": {"choices": [0.001, 0.01, 0.1]}}, "space")
+    real_suggest, calls = ParamSpec.suggest, []
+
+    def killed_on_second(self: ParamSpec, trial: Any, name: str) -> Any:
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_suggest(self, trial, name)
+
+    monkeypatch.setattr(tune_module.ParamSpec, "suggest", killed_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        tune(raw, tmp_path / "grid", 3, space=space, pruner="none", grid=True, console=quiet)
+    monkeypatch.setattr(tune_module.ParamSpec, "suggest", real_suggest)
+    result = tune(raw, tmp_path / "grid", 3, space=space, pruner="none", grid=True, console=quiet)
+    assert result.trials == 3
+    tried = sorted(float(row["client.lr"]) for row in _rows(tmp_path / "grid"))
+    assert tried == [0.001, 0.01, 0.1]
+    with pytest.raises(ConfigError, match=r"--grid\.client\.lr: a grid tries each choice once"):
+        tune(raw, tmp_path / "twice", 3, space=parse_space({"client.lr": {"choices": [0.01, 0.01]}}, "s"),
+             grid=True, console=quiet)

@@ -86,7 +86,7 @@ class TuneBlock(_Strict):
     # benchmarks' tunes ran, so they re-draw the same trials from a clean clone
     include_defaults: bool = False
     # methods whose space (all choices) is tried point by point (`fedpeft tune --grid`), e.g. a paper's
-    # "server lr picked from five values"; the grid must fit in `trials`, so the budget stays the same
+    # "server lr picked from five values"; the grid must fit in `trials` (a grid method spends no more)
     grid: list[str] = Field(default_factory=list)
 
 

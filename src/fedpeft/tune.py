@@ -304,6 +304,9 @@ def grid_points(space: Space, seed: int, source: str = "--grid") -> list[dict[st
     (a grid has no points in it)."""
     if ranges := [key for key, spec in space.items() if spec.type != "categorical"]:
         raise ConfigError(source, f"a grid needs {{choices: [...]}} for every key; {', '.join(ranges)} is a range")
+    for key, spec in space.items():
+        if len(set(map(repr, spec.choices or []))) < len(spec.choices or []):
+            raise ConfigError(f"{source}.{key}", f"a grid tries each choice once; {spec.choices} repeats one")
     keys = sorted(space)
     points = [dict(zip(keys, values, strict=True))
               for values in itertools.product(*(space[key].choices or [] for key in keys))]
@@ -363,10 +366,9 @@ def tune(raw: dict[str, Any], tune_dir: Path, trials: int, *, seed: int = 0, spa
                           "or --include-defaults; use another --out (or delete it)")
     if include_defaults and not study.trials and (start := config_values(cfg, space)):
         study.enqueue_trial(start, user_attrs={"note": "the config's own values"})
-    if grid and not study.trials:
-        for point in points:
-            study.enqueue_trial(point)
     _retry_interrupted(study)
+    if grid:
+        _queue_untried(study, points)
     metric_holder: dict[str, str] = {}
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=not raw.get("output", {}).get("progress", True))
@@ -427,7 +429,24 @@ def _retry_interrupted(study: Any) -> None:
         storage.set_trial_user_attr(trial._trial_id, "retried", True)
         storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         kept = {key: value for key, value in trial.user_attrs.items() if key in ("run_dir", "note")}
-        study.enqueue_trial(trial.params, user_attrs=kept, skip_if_exists=False)
+        # a trial killed before its values were drawn holds them only as the queue's fixed values
+        study.enqueue_trial({**trial.system_attrs.get("fixed_params", {}), **trial.params}, user_attrs=kept,
+                            skip_if_exists=False)
+
+
+def _queue_untried(study: Any, points: list[dict[str, Any]]) -> None:
+    """Queue each grid point that no counted trial ran and no queued trial holds: a tune killed while it
+    queued the grid, or between taking a point and drawing its values, still tries every point once."""
+    from optuna.trial import TrialState
+
+    def key(values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        return tuple(sorted(values.items()))
+
+    held = {key({**t.system_attrs.get("fixed_params", {}), **t.params}) for t in study.get_trials(deepcopy=False)
+            if not t.user_attrs.get("retried") and t.state != TrialState.RUNNING}
+    for point in points:
+        if key(point) not in held:
+            study.enqueue_trial(point)
 
 
 def _run_trial(trial: Any, base: dict[str, Any], params: dict[str, Any], run_dir: Path, data_dir: str | None,

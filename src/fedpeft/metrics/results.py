@@ -319,12 +319,13 @@ def _cell_title(task: str, partition: str) -> str:
 
 
 def _grid(tune: dict[str, Any], method: str) -> str:
-    """``key in {v1, v2}`` for each key of a grid method's space (as the sweep file wrote it)."""
-    parts = []
+    """``key in {v1, v2}: N trials`` for a grid method's space (as the sweep file wrote it)."""
+    parts, count = [], 1
     for key, spec in (tune["spaces"].get(method) or tune["space"]).items():
         values = spec.get("choices", []) if isinstance(spec, dict) else spec
-        parts.append(f"{key} in {{" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values) + "}")
-    return "; ".join(parts)
+        parts.append(f"{key} in {{" + ", ".join(map(str, values)) + "}")
+        count *= len(values)
+    return "; ".join(parts) + f": {count} trials"
 
 
 def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
@@ -344,7 +345,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                   "trains without that split." + (f" Not tuned: {', '.join(tune['skip'])}." if tune["skip"] else "")
                   + "".join(f" `{name}` runs at `{source}`'s tuned values." for name, source in
                             tune.get("inherit", {}).items())
-                  + "".join(f" `{name}` tried every point of its grid once ({_grid(tune, name)})."
+                  + "".join(f" `{name}` tried every point of its grid once instead ({_grid(tune, name)})."
                             for name in tune.get("grid", [])),
                   ""]
     target = data["target"]
