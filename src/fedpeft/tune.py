@@ -269,10 +269,10 @@ def _fingerprint(base: dict[str, Any], space: Space, seed: int, pruner: str, pru
     resolved["engine"]["device"] = "auto"  # where trials compute is not the study: a CPU tune resumes on a GPU
     blob = {"config": resolved, "space": {k: v.model_dump() for k, v in space.items()}, "seed": seed,
             "pruner": pruner, "prune_after": prune_after}
-    if include_defaults:  # only when on, so the studies made before the option still match
-        blob["include_defaults"] = True
-    if grid:
+    if grid:  # a grid has no defaults trial, whatever include_defaults says
         blob["grid"] = True
+    elif include_defaults:  # only when on, so the studies made before the option still match
+        blob["include_defaults"] = True
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -296,7 +296,7 @@ def study_fingerprint(raw: dict[str, Any], *, seed: int = 0, space: Space | None
                       include_defaults: bool = False, grid: bool = False) -> str:
     """What :func:`tune` with these arguments stamps on its study (and refuses to resume under another)."""
     base, _, space, prune_after = _study_setup(raw, rounds, validation_fraction, space, prune_after)
-    return _fingerprint(base, space, seed, pruner, prune_after, include_defaults and not grid, grid)
+    return _fingerprint(base, space, seed, pruner, prune_after, include_defaults, grid)
 
 
 def grid_points(space: Space, seed: int, source: str = "--grid") -> list[dict[str, Any]]:
@@ -429,9 +429,13 @@ def _retry_interrupted(study: Any) -> None:
         storage.set_trial_user_attr(trial._trial_id, "retried", True)
         storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         kept = {key: value for key, value in trial.user_attrs.items() if key in ("run_dir", "note")}
-        # a trial killed before its values were drawn holds them only as the queue's fixed values
-        study.enqueue_trial({**trial.system_attrs.get("fixed_params", {}), **trial.params}, user_attrs=kept,
-                            skip_if_exists=False)
+        study.enqueue_trial(_values(trial), user_attrs=kept, skip_if_exists=False)
+
+
+def _values(trial: Any) -> dict[str, Any]:
+    """A trial's values: those drawn so far over those it was queued with (a trial killed before drawing
+    holds them only as the queue's fixed values)."""
+    return {**trial.system_attrs.get("fixed_params", {}), **trial.params}
 
 
 def _queue_untried(study: Any, points: list[dict[str, Any]]) -> None:
@@ -442,7 +446,7 @@ def _queue_untried(study: Any, points: list[dict[str, Any]]) -> None:
     def key(values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         return tuple(sorted(values.items()))
 
-    held = {key({**t.system_attrs.get("fixed_params", {}), **t.params}) for t in study.get_trials(deepcopy=False)
+    held = {key(_values(t)) for t in study.get_trials(deepcopy=False)
             if not t.user_attrs.get("retried") and t.state != TrialState.RUNNING}
     for point in points:
         if key(point) not in held:
