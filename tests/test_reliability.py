@@ -80,12 +80,13 @@ def test_stragglers_slow_the_simulated_round(toy_files: tuple[Path, Path], tmp_p
     train, eval_ = toy_files
     raw = tiny_raw_config(train, eval_, tmp_path / "run", rounds=1, network={"down_mbps": 8.0, "up_mbps": 2.0},
                           strategy={"selection": "all", "clients_per_round": None},
-                          faults=[{"kind": "straggler", "clients": [2], "slowdown": 1000.0}])
+                          faults=[{"kind": "straggler", "clients": [2], "slowdown": 1e6}])
     _, records = run(raw)
     r = records[0]
     compute = r["client_seconds"]
-    # 1000x its own wall clock; the clients do equal work (wide margin: a shared CPU makes timings jitter)
-    assert compute[2] > 50 * max(compute[i] for i in (0, 1, 3))
+    # a million times its own wall clock; the clients do equal work, but on a loaded CPU one client's wall
+    # clock has been seen at 36x another's, so the margin must dwarf any jitter
+    assert compute[2] > 1000 * max(compute[i] for i in (0, 1, 3))
     per_client = [8 * d / 8e6 + c + 8 * u / 2e6 for d, c, u in zip(r["bytes_down"], compute, r["bytes_up"])]
     assert r["time"]["simulated"] == pytest.approx(max(per_client)) == pytest.approx(per_client[2])
 
