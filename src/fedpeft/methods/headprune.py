@@ -45,7 +45,7 @@ Choices where the paper is silent (config options where reasonable people differ
   training, the 7 kept heads sit in the lower layers (the last layer empty in every client round), and
   ``pruning_scope: per_layer`` (one head a layer) or ``min_heads_per_layer: 1`` wins back about 12 of
   the 18 points ours lost to B1 on 20 Newsgroups (``benchmarks/results/headprune_20ng.md``), though
-  not on MNLI, where every 90% arm ends about 10 points behind B1 (``headprune_mnli.md``); the
+  not on MNLI, where ours ends about 10 points behind B1 with or without it (``headprune_mnli.md``); the
   default stays the paper's global rule.
 - FLOPs: the round's ``client_flops_per_round`` (``FlopCounterMode``: the first step's count times
   the steps, plus the importance pass over the shard) sits beside the engine's per-step figure;
