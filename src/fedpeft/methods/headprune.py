@@ -46,7 +46,9 @@ Choices where the paper is silent (config options where reasonable people differ
   ``pruning_scope: per_layer`` (one head a layer) or ``min_heads_per_layer: 1`` wins back about 12 of
   the 18 points ours lost to B1 on 20 Newsgroups (``benchmarks/results/headprune_20ng.md``), though
   not on MNLI, where ours ends about 10 points behind B1 with or without it (``headprune_mnli.md``); the
-  default stays the paper's global rule.
+  default stays the paper's global rule. What does keep MNLI within a few points on MiniLM is less
+  pruning: at ``head_sparsity: 0.5``, each arm's lr tuned on MNLI, ours ends 2.6 points behind B1
+  (within noise of 2 points over 3 seeds; ``headprune_mnli_tuned.md``).
 - FLOPs: the round's ``client_flops_per_round`` (``FlopCounterMode``: the first step's count times
   the steps, plus the importance pass over the shard) sits beside the engine's per-step figure;
   ``attention_flops_per_example`` is the analytic count of the attention blocks alone (forward and
