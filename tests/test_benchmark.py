@@ -129,7 +129,7 @@ def test_exclude_leaves_cells_out_of_the_benchmark_and_their_tunes(tmp_path: Pat
     sweep = expand({**spec, "exclude": [{"method": "bitfit", "partition": "skew"}, {"seed": 1, "partition": "iid"}]})
     assert [r.name for r in sweep.runs] == ["toy_iid_lora_seed0", "toy_skew_lora_seed0", "toy_iid_bitfit_seed0",
                                             "toy_skew_lora_seed1", "toy_centralized_lora_seed0"]
-    without_bitfit = expand({**spec, "exclude": [{"method": "bitfit"}]})
+    without_bitfit = expand({**spec, "exclude": [{"method": "bitfit"}], "claims": []})
     assert set(without_bitfit.tunes) == {"toy_iid_lora"}
     # a list matches any of its values (as --only's V1,V2)
     listed = expand({**spec, "exclude": [{"method": ["bitfit", "lora"], "partition": "skew"}]})
@@ -145,6 +145,28 @@ def test_exclude_leaves_cells_out_of_the_benchmark_and_their_tunes(tmp_path: Pat
                              ([{"rounds": 3}], r"sweep\.exclude\.0")]:
         with pytest.raises(ConfigError, match=message):
             expand({**spec, "exclude": exclude})
+
+
+def test_a_claim_is_not_judged_where_exclude_leaves_out_a_method_it_reads(tmp_path: Path) -> None:
+    """A claim without ``where`` is judged in the cells where every method its check reads runs: a method left
+    out of a cell (for every seed) there, or of the cell a ["PARTITION"] reference names, drops that cell; a
+    claim left with no cell at all is refused before anything runs."""
+    spec = _benchmark(tmp_path)
+    spec["partitions"]["skew"] = {"partition": {"kind": "dirichlet", "alpha": 0.5, "num_clients": 4}}
+    skew_out = [{"method": "bitfit", "partition": "skew"}]
+    sweep = expand({**spec, "exclude": skew_out})
+    acc = sweep.spec.claims[1]
+    assert [sweep.reads_excluded(acc, "toy", p) for p in ("iid", "skew")] == [False, True]
+    # a claim judged in iid that also reads the left-out cell can never be judged
+    drop = {"id": "drop", "claim": "BitFit loses less", "where": {"partition": "iid"},
+            "check": 'bitfit["iid"].final - bitfit["skew"].final < lora["iid"].final - lora["skew"].final'}
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.2\.where: every cell the claim applies to leaves out"):
+        expand({**spec, "exclude": skew_out, "claims": [*spec["claims"], drop]})
+    # one seed left out is a cell with fewer seeds, not a cell left out
+    partial = expand({**spec, "exclude": [{**skew_out[0], "seed": 1}], "claims": [*spec["claims"], drop]})
+    assert not partial.reads_excluded(partial.spec.claims[2], "toy", "iid")
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.where"):
+        expand({**spec, "exclude": [{"method": "bitfit"}]})
 
 
 def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: Path) -> None:

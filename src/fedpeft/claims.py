@@ -116,6 +116,14 @@ def references(check: str) -> list[tuple[str, tuple[str, ...], str]]:
     return out
 
 
+def reference_cell(selector: tuple[str, ...], task: str, partition: str) -> tuple[str, str]:
+    """The (task, partition) a reference with cell ``selector`` reads when its claim is judged in cell
+    (``task``, ``partition``): none names the judged cell, ["P"] that task's partition P, ["T", "P"] both."""
+    if len(selector) == 1:
+        return task, selector[0]
+    return (selector[0], selector[1]) if selector else (task, partition)
+
+
 def _parse(check: str) -> ast.Expression:
     try:
         tree = ast.parse(check, mode="eval")

@@ -56,7 +56,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedpeft.claims import CEILING, references
+from fedpeft.claims import CEILING, reference_cell, references
 from fedpeft.config import ConfigError, apply_overrides, build_config, deep_merge
 from fedpeft.metrics.recorder import CHECKPOINT, CONFIG, SUMMARY
 
@@ -114,7 +114,8 @@ class ClaimSpec(_Strict):
     check: str
     source: str = ""
     baseline: str | None = None  # its centralised ceiling gates the verdict
-    where: dict[str, str] = Field(default_factory=dict)  # {task: ..., partition: ...}; default every cell
+    # {task: ..., partition: ...}; default every cell, less those where `exclude` leaves out a method it reads
+    where: dict[str, str] = Field(default_factory=dict)
 
 
 class SweepFile(_Strict):
@@ -209,6 +210,25 @@ class Sweep:
 
     def tune_dir(self, key: str) -> Path:
         return self.out_dir / "tune" / key
+
+    def reads_excluded(self, claim: ClaimSpec, task: str, partition: str) -> bool:
+        return reads_excluded(self.spec, claim, task, partition)
+
+
+def reads_excluded(spec: SweepFile, claim: ClaimSpec, task: str, partition: str) -> bool:
+    """Whether ``claim``, judged in cell (``task``, ``partition``), reads a method in a cell where the file's
+    ``exclude`` leaves out every seed of it: such a cell can never give it a verdict, so a claim is not judged
+    there (FLASC's 20 arms left out of the iid cell need no ``where`` on each of their claims)."""
+    excluded = _exclusions(spec)
+    seeds = [str(seed) for seed in spec.seeds] or ["None"]
+    for method, selector, _ in references(claim.check):
+        if method == CEILING:
+            continue
+        read_task, read_partition = reference_cell(selector, task, partition)
+        cell = {"task": read_task, "method": method, "partition": read_partition}
+        if all(any(_selected({**cell, "seed": seed}, entry) for entry in excluded) for seed in seeds):
+            return True
+    return False
 
 
 def _set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -333,6 +353,13 @@ def _check_names(spec: SweepFile) -> None:
                 raise ConfigError(f"sweep.claims.{index}.check", f"{method!r} is not one of sweep.methods")
         if claim.baseline is not None and claim.baseline not in known:
             raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")
+        if spec.exclude and not any(
+                claim.where.get("task", task) == task and claim.where.get("partition", partition) == partition
+                and not reads_excluded(spec, claim, task, partition)
+                for task, partition in itertools.product(spec.tasks or [claim.where.get("task", "")],
+                                                         spec.partitions or [claim.where.get("partition", "")])):
+            raise ConfigError(f"sweep.claims.{index}.where", "every cell the claim applies to leaves out (sweep."
+                              "exclude) a method its check reads there, so it could never be judged")
     if spec.tune is not None:
         for name in [*spec.tune.skip, *spec.tune.spaces, *spec.tune.inherit, *spec.tune.inherit.values(),
                      *spec.tune.grid]:

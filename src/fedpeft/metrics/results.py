@@ -32,6 +32,7 @@ from fedpeft.claims import (
     gate,
     judge,
     judge_paired,
+    reference_cell,
     references,
     row_interval,
 )
@@ -91,8 +92,9 @@ def ceiling_of(ceilings: Sequence[dict[str, Any]], task: str) -> float | None:
 
 def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequence[dict[str, Any]],
                  rows: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """Each claim's verdict in each cell it applies to (``where``, else every cell): over the seeds'
-    intervals, and (``paired``) over same-seed differences of the per-seed ``rows``."""
+    """Each claim's verdict in each cell it applies to (``where``, else every cell, less those where the
+    file's ``exclude`` leaves out a method the check reads): over the seeds' intervals, and (``paired``)
+    over same-seed differences of the per-seed ``rows``."""
     index = {(r["task"], r["partition"], r["method"]): r for r in summary}
     seeds_of: dict[tuple[str, str, str], dict[Any, dict[str, Any]]] = {}
     for r in rows:
@@ -105,10 +107,12 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
             if claim.where.get("task", task) != task or claim.where.get("partition", partition) != partition:
                 continue
 
+            if sweep.reads_excluded(claim, task, partition):
+                continue
+
             def where(method: str, selector: tuple[str, ...], task: str = task,
                       partition: str = partition) -> tuple[str, str, str]:
-                cell = (task, *selector) if len(selector) == 1 else selector or (task, partition)
-                return cell[0], cell[1], method
+                return (*reference_cell(selector, task, partition), method)
 
             def lookup(method: str, selector: tuple[str, ...], quantity: str) -> Any:
                 if method == CEILING:
