@@ -166,7 +166,7 @@ def test_a_claim_reading_a_cell_where_the_baseline_did_not_learn_is_not_reached(
 
     claim = ClaimSpec(id="drop", claim="x", baseline="lora", where={"partition": "iid"},
                       check='federa["iid"].final - federa["a0.1"].final < lora["iid"].final - lora["a0.1"].final')
-    sweep = SimpleNamespace(spec=SimpleNamespace(claims=[claim]))
+    sweep = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=[claim]))
     ceilings = [{"task": "sst2", "best_metric": 0.82}]  # 90%: 0.738
     collapsed = [row("iid", "lora", 0.82), row("iid", "federa", 0.83), row("a0.1", "lora", 0.51),
                  row("a0.1", "federa", 0.60)]
@@ -197,7 +197,8 @@ def test_a_check_reads_the_centralised_ceiling() -> None:
     ceilings = [{"task": "mpqa", "best_metric": 0.88, "best_metric_ci": [0.86, 0.90]}]
 
     def verdicts(check: str) -> tuple[str, str, dict]:
-        sweep = SimpleNamespace(spec=SimpleNamespace(claims=[ClaimSpec(id="c", claim="x", check=check)]))
+        claims = [ClaimSpec(id="c", claim="x", check=check)]
+        sweep = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=claims))
         cell = judge_claims(sweep, summary, ceilings, rows)[0]["cells"][0]
         return cell["verdict"], cell["paired"]["verdict"], cell["values"]
 
@@ -206,7 +207,7 @@ def test_a_check_reads_the_centralised_ceiling() -> None:
     assert values == pytest.approx({"lora.final": 0.82, "ceiling.best": 0.88})
     assert verdicts("lora.final >= 0.8 * ceiling.best")[:2] == (CONFIRMED, CONFIRMED)
     assert verdicts("lora.final >= ceiling.best + 0.1")[:2] == (REFUTED, REFUTED)
-    no_ceiling = SimpleNamespace(spec=SimpleNamespace(claims=[ClaimSpec(id="c", claim="x",
+    no_ceiling = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=[ClaimSpec(id="c", claim="x",
                                                                         check="lora.final >= ceiling.best")]))
     cell = judge_claims(no_ceiling, summary, [], rows)[0]["cells"][0]
     assert cell["verdict"] == NOT_REACHED and "mpqa has no centralised ceiling" in cell["why"]

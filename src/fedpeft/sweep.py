@@ -211,9 +211,6 @@ class Sweep:
     def tune_dir(self, key: str) -> Path:
         return self.out_dir / "tune" / key
 
-    def reads_excluded(self, claim: ClaimSpec, task: str, partition: str) -> bool:
-        return reads_excluded(self.spec, claim, task, partition)
-
 
 def reads_excluded(spec: SweepFile, claim: ClaimSpec, task: str, partition: str) -> bool:
     """Whether ``claim``, judged in cell (``task``, ``partition``), reads a method in a cell where the file's
