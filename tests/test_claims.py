@@ -207,8 +207,8 @@ def test_a_check_reads_the_centralised_ceiling() -> None:
     assert values == pytest.approx({"lora.final": 0.82, "ceiling.best": 0.88})
     assert verdicts("lora.final >= 0.8 * ceiling.best")[:2] == (CONFIRMED, CONFIRMED)
     assert verdicts("lora.final >= ceiling.best + 0.1")[:2] == (REFUTED, REFUTED)
-    no_ceiling = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=[ClaimSpec(id="c", claim="x",
-                                                                        check="lora.final >= ceiling.best")]))
+    no_ceiling = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=[
+        ClaimSpec(id="c", claim="x", check="lora.final >= ceiling.best")]))
     cell = judge_claims(no_ceiling, summary, [], rows)[0]["cells"][0]
     assert cell["verdict"] == NOT_REACHED and "mpqa has no centralised ceiling" in cell["why"]
 

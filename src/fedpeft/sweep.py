@@ -212,6 +212,13 @@ class Sweep:
         return self.out_dir / "tune" / key
 
 
+def judged_in(spec: SweepFile, claim: ClaimSpec, task: str, partition: str) -> bool:
+    """Whether ``claim`` is judged in cell (``task``, ``partition``): one its ``where`` names (default every
+    cell) and not one where it reads an excluded method (:func:`reads_excluded`)."""
+    return (claim.where.get("task", task) == task and claim.where.get("partition", partition) == partition
+            and not reads_excluded(spec, claim, task, partition))
+
+
 def reads_excluded(spec: SweepFile, claim: ClaimSpec, task: str, partition: str) -> bool:
     """Whether ``claim``, judged in cell (``task``, ``partition``), reads a method in a cell where the file's
     ``exclude`` leaves out every seed of it: such a cell can never give it a verdict, so a claim is not judged
@@ -350,11 +357,9 @@ def _check_names(spec: SweepFile) -> None:
                 raise ConfigError(f"sweep.claims.{index}.check", f"{method!r} is not one of sweep.methods")
         if claim.baseline is not None and claim.baseline not in known:
             raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")
-        if spec.exclude and not any(
-                claim.where.get("task", task) == task and claim.where.get("partition", partition) == partition
-                and not reads_excluded(spec, claim, task, partition)
-                for task, partition in itertools.product(spec.tasks or [claim.where.get("task", "")],
-                                                         spec.partitions or [claim.where.get("partition", "")])):
+        cells = itertools.product(spec.tasks or [claim.where.get("task", "")],
+                                  spec.partitions or [claim.where.get("partition", "")])
+        if spec.exclude and not any(judged_in(spec, claim, task, partition) for task, partition in cells):
             raise ConfigError(f"sweep.claims.{index}.where", "every cell the claim applies to leaves out (sweep."
                               "exclude) a method its check reads there, so it could never be judged")
     if spec.tune is not None:

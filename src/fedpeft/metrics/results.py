@@ -41,7 +41,7 @@ from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, m
 from fedpeft.metrics.report import band, bytes_axis, flatten, metric_cell
 from fedpeft.metrics.summary import human_bytes
 from fedpeft.records import stale_runs, write_records
-from fedpeft.sweep import Sweep, SweepRun, reads_excluded
+from fedpeft.sweep import Sweep, SweepRun, judged_in
 
 SPEC_FIELDS = ("task", "partition", "method", "recipe", "seed", "rounds", "clients", "clients_per_round", "metric",
                "eval_examples", "best_metric", "final_metric", "start_metric", "trainable_params",
@@ -104,10 +104,7 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
     for claim in sweep.spec.claims:
         judged = []
         for task, partition in cells:
-            if claim.where.get("task", task) != task or claim.where.get("partition", partition) != partition:
-                continue
-
-            if reads_excluded(sweep.spec, claim, task, partition):
+            if not judged_in(sweep.spec, claim, task, partition):
                 continue
 
             def where(method: str, selector: tuple[str, ...], task: str = task,
