@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fedpeft.config import ConfigError
-from fedpeft.records import read_records, records_path, restore_records, stale_runs, write_records
+from fedpeft.records import read_records, records_path, restore_records, stale_on_disk, stale_runs, write_records
 from fedpeft.sweep import load_sweep
 from tests.test_benchmark import _benchmark
 
@@ -145,4 +145,62 @@ def test_an_unfinished_tune_keeps_its_finished_trials_across_a_fresh_clone(tmp_p
     said.clear()
     restore_records(load_sweep(path), said.append)
     assert not (folder / "study.db").exists()
-    assert said == [f"not restored, runs again: tune {key} (the tune's config, space, seed or pruner changed since)"]
+    assert said == [f"not restored, runs again: tune {key} (the tune's config, rounds, space, seed or pruner changed "
+                    "since)"]
+
+
+def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(tmp_path: Path) -> None:
+    """A tune's choice decides every run of its method: after the file asks for longer trials, the finished
+    tune of shorter ones (in the records, or on disk) must not stand in for it."""
+    import shutil
+
+    from fedpeft.sweep import run_sweep, tune_fingerprint
+    from fedpeft.tune import tune
+
+    spec = _benchmark(tmp_path)
+    spec["tune"] = {"trials": 1, "pruner": "none", "validation_fraction": 0.2, "rounds": 1}
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    sweep = load_sweep(path)
+    key, folder = "toy_iid_lora", sweep.tune_dir("toy_iid_lora")
+    tune(sweep.tunes[key].raw, folder, 1, seed=0, pruner="none", validation_fraction=0.2, rounds=1)
+    assert json.loads((folder / "tune.json").read_text())["fingerprint"] == tune_fingerprint(sweep, key)
+    write_records(sweep)
+    shutil.rmtree(tmp_path / "runs")
+    restore_records(load_sweep(path), [].append)
+    assert (folder / "tune.json").is_file()  # the same file: the finished tune comes back
+    kept = tmp_path / "kept"
+    shutil.copytree(folder, kept)
+
+    shutil.rmtree(tmp_path / "runs")
+    spec["tune"]["rounds"] = 2
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    said: list[str] = []
+    restore_records(load_sweep(path), said.append)
+    assert not (folder / "tune.json").exists()
+    assert said[0] == (f"not restored, runs again: tune {key} (the tune's config, rounds, space, seed or pruner "
+                       "changed since)")
+
+    shutil.copytree(kept, folder)  # the 1-round tune left on disk: refused before anything runs
+    with pytest.raises(ConfigError, match=rf"finished on disk under another version .*{key} \(the tune's config"):
+        run_sweep(path, say=[].append)
+    assert not any(run.run_dir.exists() for run in load_sweep(path).runs)
+
+
+def test_a_finished_run_on_disk_that_the_file_no_longer_asks_for_is_named(tmp_path: Path) -> None:
+    from fedpeft.config import build_config
+
+    spec = _benchmark(tmp_path)
+    spec.pop("tune")
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    run = load_sweep(path).runs[1]  # bitfit, seed 0
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.yaml").write_text(yaml.safe_dump(build_config(run.raw).model_dump(mode="json")))
+    for name in ("metrics.jsonl", "summary.json", "partition.json"):
+        (run.run_dir / name).write_text("{}")
+    assert stale_on_disk(load_sweep(path)) == []
+    spec["methods"]["bitfit"]["client"] = {"lr": 0.0123}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    [line] = stale_on_disk(load_sweep(path))
+    assert line.startswith(f"{run.run_dir} (client.lr (") and "0.0123 given)" in line

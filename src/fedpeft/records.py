@@ -14,7 +14,10 @@ A record is restored only where it is still the run the sweep file asks for: its
 match the config the file gives now field for field (the resume fingerprint: every field but
 ``rounds``, ``output`` and where it computes) and run the same number of rounds. A record that no
 longer matches (the file or a recipe's defaults changed) stays out, is named, and its run runs
-again. Checkpoints are not kept, so a restored run can be reported but not resumed further.
+again. A finished tune comes back only where the fingerprint in its ``tune.json`` (config of the trials,
+their rounds, space, seed, pruner) is the tune the file asks for now; otherwise it and every run made
+with its choice run again. Checkpoints are not kept, so a restored run can be reported but not resumed
+further.
 
 A tune that has not finished keeps its Optuna study (``study.db``, a consistent SQLite snapshot,
 base64): a session stopped in the middle of an hour-long tune commits the trials it finished, and
@@ -138,6 +141,10 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
         if files is None or (folder / "tune.json").is_file():
             continue
         if "tune.json" in files:
+            problem = _finished_tune_mismatch(sweep, key, files["tune.json"])
+            if problem:
+                stale.append(f"tune {key} ({problem})")
+                continue
             _write(folder, files, TUNE_FILES[::-1])  # tune.json, the mark, last
         elif STUDY in files and not (folder / STUDY).exists():  # a study on disk goes on as it is
             try:
@@ -180,17 +187,51 @@ def stale_runs(sweep: Sweep) -> set[str]:
 
 def _study_mismatch(sweep: Sweep, key: str, study: bytes) -> str:
     """Why a recorded study (the SQLite file's bytes) is not the tune the sweep file asks for now ('' when it is)."""
-    try:
-        expected = tune_fingerprint(sweep, key)
-    except ConfigError as err:
-        return str(err)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / STUDY
         path.write_bytes(study)
         saved = saved_fingerprint(path)
+    return _fingerprint_mismatch(sweep, key, saved, "its study")
+
+
+def _finished_tune_mismatch(sweep: Sweep, key: str, tune_json: str) -> str:
+    """Why a finished tune (its ``tune.json``) is not the tune the sweep file asks for now ('' when it is):
+    a tune of 8-round trials must not stand in for the 15-round tune the file asks for after an edit."""
+    try:
+        saved = json.loads(tune_json).get("fingerprint")
+    except (ValueError, AttributeError) as err:
+        return f"its tune.json does not load: {err}"
+    return _fingerprint_mismatch(sweep, key, saved, "its tune.json")
+
+
+def _fingerprint_mismatch(sweep: Sweep, key: str, saved: str | None, holder: str) -> str:
+    try:
+        expected = tune_fingerprint(sweep, key)
+    except ConfigError as err:
+        return str(err)
     if saved is None:
-        return "its study has no fingerprint"
-    return "" if saved == expected else "the tune's config, space, seed or pruner changed since"
+        return f"{holder} has no fingerprint"
+    return "" if saved == expected else "the tune's config, rounds, space, seed or pruner changed since"
+
+
+def stale_on_disk(sweep: Sweep) -> list[str]:
+    """Finished tunes and runs in ``sweep``'s folders that are no longer what its file asks for, one line
+    each. A sweep skips what is finished on disk, so an edited file (more tune rounds, another space) would
+    otherwise report the old tune's choice and the runs made with it as its own. A ``tune.json`` written
+    before tunes carried a fingerprint cannot be checked and is kept."""
+    lines = []
+    for key in sweep.tunes:
+        path = sweep.tune_dir(key) / "tune.json"
+        text = path.read_text() if path.is_file() else "{}"
+        if json.loads(text).get("fingerprint") is not None and (problem := _finished_tune_mismatch(sweep, key, text)):
+            lines.append(f"{sweep.tune_dir(key)} ({problem})")
+    if lines:  # the runs' tuned values would come from those tunes
+        return lines
+    for run in sweep.runs:
+        tuned = run.tune_key is None or (sweep.tune_dir(run.tune_key) / "tune.json").is_file()
+        if finished(run.run_dir) and tuned and (problem := _mismatch(sweep, run, _files(run.run_dir, RUN_FILES))):
+            lines.append(f"{run.run_dir} ({problem})")
+    return lines
 
 
 def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:

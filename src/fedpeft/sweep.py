@@ -548,7 +548,9 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
     file; each run's summary records where it computed). A benchmark first gets back the committed records
     of its finished runs (:mod:`fedpeft.records`), so only what is not done runs; unless ``allow_fewer``, it
     refuses, before anything runs, where its report would drop a run its committed results report as finished
-    (:func:`fedpeft.metrics.results.refuse_fewer_runs`), not at the report after hours of runs."""
+    (:func:`fedpeft.metrics.results.refuse_fewer_runs`), not at the report after hours of runs. Any sweep
+    refuses where a tune or run finished on disk is no longer what the file asks for
+    (:func:`fedpeft.records.stale_on_disk`): it would be skipped as done and reported as the file's."""
     whole = load_sweep(path)
     sweep = restrict(whole, only) if only else whole
     if whole.is_benchmark:
@@ -558,6 +560,11 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         restore_records(whole, say)
         if not allow_fewer:
             refuse_fewer_runs(whole, running=sweep.runs)
+    from fedpeft.records import stale_on_disk
+
+    if stale := stale_on_disk(sweep):
+        raise ConfigError("sweep", "finished on disk under another version of this file (move each away to run it "
+                          "again): " + "; ".join(stale))
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
     extra = ["--data-dir", data_dir] if data_dir else []

@@ -539,7 +539,8 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
                "pruned": sum(t.state == TrialState.PRUNED for t in trials),
                "failed": sum(t.state == TrialState.FAIL for t in trials),
                "seconds": sum(t.user_attrs.get("seconds", 0.0) for t in trials),
-               "space": {k: v.model_dump() for k, v in space.items()}}
+               "space": {k: v.model_dump() for k, v in space.items()},
+               "fingerprint": study.user_attrs.get("fingerprint")}  # what a sweep checks a kept tune against
     summary["not_learned"] = _not_learned(best, metric or "metric")
     (tune_dir / "tune.json").write_text(json.dumps(summary, indent=2))
     console.print(f"best {metric} {best.value:.4f} with " + ", ".join(f"{k}={_short(v)}" for k, v in
