@@ -154,7 +154,8 @@ def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(
     tune of shorter ones (in the records, or on disk) must not stand in for it."""
     import shutil
 
-    from fedpeft.sweep import run_sweep, tune_fingerprint
+    from fedpeft.config import build_config
+    from fedpeft.sweep import run_sweep, tune_fingerprint, with_tuned
     from fedpeft.tune import tune
 
     spec = _benchmark(tmp_path)
@@ -165,10 +166,16 @@ def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(
     key, folder = "toy_iid_lora", sweep.tune_dir("toy_iid_lora")
     tune(sweep.tunes[key].raw, folder, 1, seed=0, pruner="none", validation_fraction=0.2, rounds=1)
     assert json.loads((folder / "tune.json").read_text())["fingerprint"] == tune_fingerprint(sweep, key)
+    run = sweep.runs[0]  # lora, seed 0: finished with the tune's choice (its files stand in)
+    run.run_dir.mkdir(parents=True)
+    config = build_config(with_tuned(sweep, run)).model_dump(mode="json")
+    (run.run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    for name in ("metrics.jsonl", "summary.json", "partition.json"):
+        (run.run_dir / name).write_text("{}")
     write_records(sweep)
     shutil.rmtree(tmp_path / "runs")
-    restore_records(load_sweep(path), [].append)
-    assert (folder / "tune.json").is_file()  # the same file: the finished tune comes back
+    assert restore_records(load_sweep(path), [].append) == 1
+    assert (folder / "tune.json").is_file()  # the same file: the finished tune comes back, and its run
     kept = tmp_path / "kept"
     shutil.copytree(folder, kept)
 
@@ -180,6 +187,7 @@ def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(
     assert not (folder / "tune.json").exists()
     assert said[0] == (f"not restored, runs again: tune {key} (the tune's config, rounds, space, seed or pruner "
                        "changed since)")
+    assert said[1].startswith(f"not restored, runs again: {run.name} (its tune {key} runs first")
 
     shutil.copytree(kept, folder)  # the 1-round tune left on disk: refused before anything runs
     with pytest.raises(ConfigError, match=rf"finished on disk under another version .*{key} \(the tune's config"):

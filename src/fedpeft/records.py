@@ -238,6 +238,8 @@ def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:
     """Why a record is not the run the sweep file asks for now ('' when it is)."""
     if set(files) != set(RUN_FILES):
         return f"the record lacks {', '.join(sorted(set(RUN_FILES) - set(files)))}"
+    if run.tune_key is not None and not (sweep.tune_dir(run.tune_key) / "tune.json").is_file():
+        return f"its tune {run.tune_key} runs first: the record cannot be checked against a choice not yet made"
     try:
         given = build_config(with_tuned(sweep, run))
     except ConfigError as err:

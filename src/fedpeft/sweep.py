@@ -553,6 +553,11 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
     (:func:`fedpeft.records.stale_on_disk`): it would be skipped as done and reported as the file's."""
     whole = load_sweep(path)
     sweep = restrict(whole, only) if only else whole
+    from fedpeft.records import stale_on_disk
+
+    if stale := stale_on_disk(whole):  # before restoring: a record is checked against the tune on disk
+        raise ConfigError("sweep", "finished on disk under another version of this file (move each away to run it "
+                          "again): " + "; ".join(stale))
     if whole.is_benchmark:
         from fedpeft.metrics.results import refuse_fewer_runs
         from fedpeft.records import restore_records
@@ -560,11 +565,6 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         restore_records(whole, say)
         if not allow_fewer:
             refuse_fewer_runs(whole, running=sweep.runs)
-    from fedpeft.records import stale_on_disk
-
-    if stale := stale_on_disk(sweep):
-        raise ConfigError("sweep", "finished on disk under another version of this file (move each away to run it "
-                          "again): " + "; ".join(stale))
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
     extra = ["--data-dir", data_dir] if data_dir else []
