@@ -150,10 +150,11 @@ def test_an_unfinished_tune_keeps_its_finished_trials_across_a_fresh_clone(tmp_p
 
 
 def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(tmp_path: Path) -> None:
-    """A tune's choice decides every run of its method: after the file asks for longer trials, the finished
-    tune of shorter ones (in the records, or on disk) must not stand in for it."""
+    """A tune's choice decides every run of its method: after the file asks for longer trials or more of
+    them, the finished tune (in the records, or on disk) and the runs made with its choice must not stand in."""
     import shutil
 
+    from fedpeft.cli import main
     from fedpeft.config import build_config
     from fedpeft.sweep import run_sweep, tune_fingerprint, with_tuned
     from fedpeft.tune import tune
@@ -165,7 +166,10 @@ def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(
     sweep = load_sweep(path)
     key, folder = "toy_iid_lora", sweep.tune_dir("toy_iid_lora")
     tune(sweep.tunes[key].raw, folder, 1, seed=0, pruner="none", validation_fraction=0.2, rounds=1)
-    assert json.loads((folder / "tune.json").read_text())["fingerprint"] == tune_fingerprint(sweep, key)
+    summary = json.loads((folder / "tune.json").read_text())
+    assert summary["fingerprint"] == tune_fingerprint(sweep, key)
+    del summary["fingerprint"]  # as a tune written before tunes stamped it: the record takes the study's
+    (folder / "tune.json").write_text(json.dumps(summary))
     run = sweep.runs[0]  # lora, seed 0: finished with the tune's choice (its files stand in)
     run.run_dir.mkdir(parents=True)
     config = build_config(with_tuned(sweep, run)).model_dump(mode="json")
@@ -173,26 +177,37 @@ def test_a_finished_tune_comes_back_only_while_it_is_the_tune_the_file_asks_for(
     for name in ("metrics.jsonl", "summary.json", "partition.json"):
         (run.run_dir / name).write_text("{}")
     write_records(sweep)
+    assert json.loads(read_records(records_path(sweep))[0][key]["tune.json"])["fingerprint"] == \
+        tune_fingerprint(sweep, key)
     shutil.rmtree(tmp_path / "runs")
     assert restore_records(load_sweep(path), [].append) == 1
     assert (folder / "tune.json").is_file()  # the same file: the finished tune comes back, and its run
-    kept = tmp_path / "kept"
-    shutil.copytree(folder, kept)
+    shutil.copytree(tmp_path / "runs", tmp_path / "kept")
 
-    shutil.rmtree(tmp_path / "runs")
-    spec["tune"]["rounds"] = 2
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    said: list[str] = []
-    restore_records(load_sweep(path), said.append)
-    assert not (folder / "tune.json").exists()
-    assert said[0] == (f"not restored, runs again: tune {key} (the tune's config, rounds, space, seed or pruner "
-                       "changed since)")
-    assert said[1].startswith(f"not restored, runs again: {run.name} (its tune {key} runs first")
+    for change, why in (({"rounds": 2}, "the tune's config, rounds, space, seed or pruner changed since"),
+                        ({"trials": 2}, "it ran 1 trials, the file asks for 2")):
+        shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+        path.write_text(yaml.safe_dump({**spec, "tune": {**spec["tune"], **change}}, sort_keys=False))
+        said: list[str] = []
+        restore_records(load_sweep(path), said.append)
+        assert not (folder / "tune.json").exists() and not run.run_dir.exists()
+        assert said[0] == f"not restored, runs again: tune {key} ({why})"
+        assert said[1].startswith(f"not restored, runs again: {run.name} (its tune {key} runs first")
 
-    shutil.copytree(kept, folder)  # the 1-round tune left on disk: refused before anything runs
-    with pytest.raises(ConfigError, match=rf"finished on disk under another version .*{key} \(the tune's config"):
+    # the 1-trial tune and its run left on disk: refused before anything runs or is reported
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+    shutil.copytree(tmp_path / "kept", tmp_path / "runs")
+    with pytest.raises(ConfigError, match=rf"another version .*{key} \(it ran 1 trials.*made with the choice of the"):
         run_sweep(path, say=[].append)
-    assert not any(run.run_dir.exists() for run in load_sweep(path).runs)
+    assert main(["sweep", str(path), "--report-only"]) != 0 and not (tmp_path / "results" / "toy.json").exists()
+    shutil.rmtree(folder)  # the tune moved away, as the error says: its run is still named
+    with pytest.raises(ConfigError, match=rf"its tune {key} is not on disk"):
+        run_sweep(path, say=[].append)
+    folder.mkdir()
+    (folder / "tune.json").write_text('{"trials": ')  # cut short
+    with pytest.raises(ConfigError, match=r"its tune\.json does not load"):
+        run_sweep(path, say=[].append)
+    assert not sweep.runs[1].run_dir.exists()  # nothing ran
 
 
 def test_a_finished_run_on_disk_that_the_file_no_longer_asks_for_is_named(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ from fedpeft.metrics.recorder import (
     resume_differences,
     saved_config,
 )
-from fedpeft.sweep import Sweep, SweepRun, finished, tune_fingerprint, with_tuned
+from fedpeft.sweep import Sweep, SweepRun, finished, tune_fingerprint, tune_trials, with_tuned
 from fedpeft.tune import saved_fingerprint
 
 RUN_FILES = (CONFIG, METRICS, PARTITION, SUMMARY)
@@ -78,7 +78,7 @@ def write_records(sweep: Sweep) -> Path:
     for key in sorted(sweep.tunes):
         folder = sweep.tune_dir(key)
         if (folder / "tune.json").is_file():
-            lines.append({"tune": key, "files": _files(folder, TUNE_FILES)})
+            lines.append({"tune": key, "files": _with_fingerprint(_files(folder, TUNE_FILES), folder / STUDY)})
         elif (folder / STUDY).is_file() and (study := _study_snapshot(folder / STUDY)) is not None:
             lines.append({"tune": key, "files": {STUDY: study}})
     lines += [{"run": run.name, "files": _files(run.run_dir, RUN_FILES)} for run in sweep.runs if finished(run.run_dir)]
@@ -87,6 +87,15 @@ def write_records(sweep: Sweep) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, gzip.compress(payload, mtime=0))
     return path
+
+
+def _with_fingerprint(files: dict[str, str], study: Path) -> dict[str, str]:
+    """A finished tune's files, its ``tune.json`` stamped with its study's fingerprint where it was written
+    before tunes stamped it themselves (a record without one is never restored)."""
+    summary = json.loads(files["tune.json"])
+    if "fingerprint" not in summary and study.is_file() and (saved := saved_fingerprint(study)) is not None:
+        files["tune.json"] = json.dumps({**summary, "fingerprint": saved}, indent=2)
+    return files
 
 
 def _study_snapshot(path: Path) -> str | None:
@@ -194,14 +203,24 @@ def _study_mismatch(sweep: Sweep, key: str, study: bytes) -> str:
     return _fingerprint_mismatch(sweep, key, saved, "its study")
 
 
-def _finished_tune_mismatch(sweep: Sweep, key: str, tune_json: str) -> str:
+def _finished_tune_mismatch(sweep: Sweep, key: str, tune_json: str, study: Path | None = None) -> str:
     """Why a finished tune (its ``tune.json``) is not the tune the sweep file asks for now ('' when it is):
-    a tune of 8-round trials must not stand in for the 15-round tune the file asks for after an edit."""
+    a tune of 8-round or 3-trial trials must not stand in for the 15-round or 6-trial tune the file asks for
+    after an edit. ``study``: on disk, where a ``tune.json`` written before tunes stamped their fingerprint
+    finds it (the study's); a tune with neither cannot be checked there and is kept."""
     try:
-        saved = json.loads(tune_json).get("fingerprint")
+        summary = json.loads(tune_json)
+        saved = summary.get("fingerprint")
     except (ValueError, AttributeError) as err:
         return f"its tune.json does not load: {err}"
-    return _fingerprint_mismatch(sweep, key, saved, "its tune.json")
+    if saved is None and study is not None and study.is_file():
+        saved = saved_fingerprint(study)
+    unchecked = saved is None and study is not None
+    if not unchecked and (problem := _fingerprint_mismatch(sweep, key, saved, "its tune.json")):
+        return problem
+    trials = tune_trials(sweep, key)
+    ran = summary.get("trials")
+    return "" if ran == trials else f"it ran {ran} trials, the file asks for {trials}"
 
 
 def _fingerprint_mismatch(sweep: Sweep, key: str, saved: str | None, holder: str) -> str:
@@ -216,22 +235,33 @@ def _fingerprint_mismatch(sweep: Sweep, key: str, saved: str | None, holder: str
 
 def stale_on_disk(sweep: Sweep) -> list[str]:
     """Finished tunes and runs in ``sweep``'s folders that are no longer what its file asks for, one line
-    each. A sweep skips what is finished on disk, so an edited file (more tune rounds, another space) would
-    otherwise report the old tune's choice and the runs made with it as its own. A ``tune.json`` written
-    before tunes carried a fingerprint cannot be checked and is kept."""
-    lines = []
+    each. A sweep skips what is finished on disk, so an edited file (more tune rounds or trials, another
+    space) would otherwise report the old tune's choice and the runs made with it as its own. A finished
+    run whose tune is stale or not on disk is named too: nothing says which choice it ran with."""
+    lines, stale = [], set()
     for key in sweep.tunes:
-        path = sweep.tune_dir(key) / "tune.json"
-        text = path.read_text() if path.is_file() else "{}"
-        if json.loads(text).get("fingerprint") is not None and (problem := _finished_tune_mismatch(sweep, key, text)):
-            lines.append(f"{sweep.tune_dir(key)} ({problem})")
-    if lines:  # the runs' tuned values would come from those tunes
-        return lines
+        folder = sweep.tune_dir(key)
+        path = folder / "tune.json"
+        if path.is_file() and (problem := _finished_tune_mismatch(sweep, key, path.read_text(), folder / STUDY)):
+            lines.append(f"{folder} ({problem})")
+            stale.add(key)
     for run in sweep.runs:
-        tuned = run.tune_key is None or (sweep.tune_dir(run.tune_key) / "tune.json").is_file()
-        if finished(run.run_dir) and tuned and (problem := _mismatch(sweep, run, _files(run.run_dir, RUN_FILES))):
+        if not finished(run.run_dir):
+            continue
+        if run.tune_key in stale:
+            lines.append(f"{run.run_dir} (made with the choice of the stale tune {run.tune_key})")
+        elif run.tune_key is not None and not (sweep.tune_dir(run.tune_key) / "tune.json").is_file():
+            lines.append(f"{run.run_dir} (its tune {run.tune_key} is not on disk to check the run against)")
+        elif problem := _mismatch(sweep, run, _files(run.run_dir, RUN_FILES)):
             lines.append(f"{run.run_dir} ({problem})")
     return lines
+
+
+def refuse_stale_on_disk(sweep: Sweep) -> None:
+    """Raise, naming each folder, where :func:`stale_on_disk` finds any."""
+    if stale := stale_on_disk(sweep):
+        raise ConfigError("sweep", "finished on disk under another version of this file (move each away to run it "
+                          "again): " + "; ".join(stale))
 
 
 def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:

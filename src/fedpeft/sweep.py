@@ -476,6 +476,21 @@ def tune_fingerprint(sweep: Sweep, key: str) -> str:
                              grid=job.method in tune.grid)
 
 
+def tune_trials(sweep: Sweep, key: str) -> int:
+    """How many trials the sweep's tune ``key`` runs: the file's ``trials``, or a grid's size (a grid is cut
+    to its points)."""
+    from fedpeft.tune import parse_space, planned_trials
+
+    tune = sweep.spec.tune
+    assert tune is not None
+    job = sweep.tunes[key]
+    if job.method not in tune.grid:
+        return tune.trials
+    space = tune.spaces.get(job.method, tune.space)
+    return planned_trials(job.raw, tune.trials, seed=tune.seed, space=None if space is None else
+                          parse_space(space, "sweep.tune"), rounds=tune.rounds, grid=True)
+
+
 def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
     """The run's raw config with its method's tuned values (tuned values under the seed's)."""
     from fedpeft.tune import set_dotted
@@ -553,11 +568,9 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
     (:func:`fedpeft.records.stale_on_disk`): it would be skipped as done and reported as the file's."""
     whole = load_sweep(path)
     sweep = restrict(whole, only) if only else whole
-    from fedpeft.records import stale_on_disk
+    from fedpeft.records import refuse_stale_on_disk
 
-    if stale := stale_on_disk(whole):  # before restoring: a record is checked against the tune on disk
-        raise ConfigError("sweep", "finished on disk under another version of this file (move each away to run it "
-                          "again): " + "; ".join(stale))
+    refuse_stale_on_disk(whole)  # before restoring: a record is checked against the tune on disk
     if whole.is_benchmark:
         from fedpeft.metrics.results import refuse_fewer_runs
         from fedpeft.records import restore_records

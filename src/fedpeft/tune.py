@@ -299,6 +299,15 @@ def study_fingerprint(raw: dict[str, Any], *, seed: int = 0, space: Space | None
     return _fingerprint(base, space, seed, pruner, prune_after, include_defaults, grid)
 
 
+def planned_trials(raw: dict[str, Any], trials: int, *, seed: int = 0, space: Space | None = None,
+                   rounds: int | None = None, grid: bool = False) -> int:
+    """How many trials :func:`tune` runs when asked for ``trials``: a grid runs its points, no more."""
+    if not grid:
+        return trials
+    space = space if space is not None else default_space(build_config(tuning_config(raw, rounds, None)))
+    return len(grid_points(space, seed))
+
+
 def grid_points(space: Space, seed: int, source: str = "--grid") -> list[dict[str, Any]]:
     """Every combination of a space of choices, in an order shuffled by ``seed``; a range is an error
     (a grid has no points in it)."""
@@ -542,7 +551,9 @@ def _write_outputs(study: Any, base: dict[str, Any], raw: dict[str, Any], space:
                "space": {k: v.model_dump() for k, v in space.items()},
                "fingerprint": study.user_attrs.get("fingerprint")}  # what a sweep checks a kept tune against
     summary["not_learned"] = _not_learned(best, metric or "metric")
-    (tune_dir / "tune.json").write_text(json.dumps(summary, indent=2))
+    from fedpeft.metrics.recorder import atomic_write_bytes
+
+    atomic_write_bytes(tune_dir / "tune.json", json.dumps(summary, indent=2).encode())  # a sweep's "finished" mark
     console.print(f"best {metric} {best.value:.4f} with " + ", ".join(f"{k}={_short(v)}" for k, v in
                                                                      best.params.items()) + f"; config: {path}")
     if summary["not_learned"]:
