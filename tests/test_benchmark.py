@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,19 @@ def test_only_keeps_the_named_cells_their_tunes_and_the_tasks_ceiling(tmp_path: 
     assert not (tmp_path / "runs").exists()
 
 
+def _fake_fedpeft(started: list[list[str]]) -> Callable[[list[str], Path], int]:
+    """A stand-in for the sweep's subprocesses: records each command; a tune leaves a ``tune.json`` choosing
+    nothing, so its runs start at once."""
+    def fake(args: list[str], log: Path) -> int:
+        if args[0] == "tune":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "tune.json").write_text(json.dumps({"best_params": {}}))
+        started.append(args)
+        return 0
+    return fake
+
+
 def test_grid_methods_tune_point_by_point_within_the_same_budget(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``tune.grid``: a method tuned over a space of choices tries each once (``fedpeft tune --grid``, its
@@ -214,16 +228,7 @@ def test_grid_methods_tune_point_by_point_within_the_same_budget(tmp_path: Path,
     path = tmp_path / "toy.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     started: list[list[str]] = []
-
-    def fake_fedpeft(args: list[str], log: Path) -> int:
-        if args[0] == "tune":
-            out = Path(args[args.index("--out") + 1])
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "tune.json").write_text(json.dumps({"best_params": {}}))
-        started.append(args)
-        return 0
-
-    monkeypatch.setattr(sweep_module, "_fedpeft", fake_fedpeft)
+    monkeypatch.setattr(sweep_module, "_fedpeft", _fake_fedpeft(started))
     sweep = run_sweep(path)
     tunes = {Path(args[args.index("--out") + 1]).name: args for args in started if args[0] == "tune"}
     assert "--grid" in tunes["toy_iid_bitfit"] and "--grid" not in tunes["toy_iid_lora"]
@@ -244,6 +249,39 @@ def test_grid_methods_tune_point_by_point_within_the_same_budget(tmp_path: Path,
     data["tune"]["grid"] = ["lora_dp"]
     assert "`lora_dp` tried every point of its grid once instead (strategy.server_lr in {0.001, 0.02}: 2 trials)." in \
         markdown_from_file(committed, data)
+
+
+def test_a_tune_objective_over_seeds_and_last_rounds_reaches_every_tune(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tune.seeds`` / ``tune.score_rounds`` pass to every tune (`--seeds`, `--score-rounds`), change its
+    study's fingerprint, and the results page says what a trial scored; a file without them records and
+    reads as before."""
+    import fedpeft.sweep as sweep_module
+    from fedpeft.metrics.results import markdown_from_file
+    from fedpeft.sweep import run_sweep, tune_fingerprint
+
+    spec = _benchmark(tmp_path)
+    spec["tune"] = {**spec["tune"], "seeds": [0, 1], "score_rounds": 2}
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    started: list[list[str]] = []
+    monkeypatch.setattr(sweep_module, "_fedpeft", _fake_fedpeft(started))
+    sweep = run_sweep(path)
+    tunes = [args for args in started if args[0] == "tune"]
+    assert len(tunes) == 2
+    assert all(args[args.index("--seeds") + 1] == "0,1" and args[args.index("--score-rounds") + 1] == "2"
+               for args in tunes)
+    plain = expand({**spec, "tune": {k: v for k, v in spec["tune"].items() if k not in ("seeds", "score_rounds")}})
+    assert tune_fingerprint(sweep, "toy_iid_lora") != tune_fingerprint(plain, "toy_iid_lora")
+    with pytest.raises(ConfigError, match=r"score_rounds"):
+        expand({**spec, "tune": {**spec["tune"], "score_rounds": 0}})
+    committed = Path(__file__).parents[1] / "benchmarks" / "results" / "federa_qqp.json"
+    data = json.loads(committed.read_text())
+    assert "seeds" not in data["tune"] and "score_rounds" not in data["tune"]
+    assert "Each trial" not in markdown_from_file(committed, data)
+    data["tune"].update(seeds=[0, 1, 2], score_rounds=3)
+    assert ("Each trial ran once per seed (0, 1, 2) and scored the mean of its last 3 rounds' validation." in
+            markdown_from_file(committed, data))
 
 
 def test_device_places_every_tune_and_run_started_and_a_wrong_one_is_refused(

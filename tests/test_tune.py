@@ -343,3 +343,48 @@ def test_a_grid_tune_killed_before_a_point_drew_its_values_still_tries_every_poi
     with pytest.raises(ConfigError, match=r"--grid\.client\.lr: a grid tries each choice once"):
         tune(raw, tmp_path / "twice", 3, space=parse_space({"client.lr": {"choices": [0.01, 0.01]}}, "s"),
              grid=True, console=quiet)
+
+
+def test_seeds_and_score_rounds_average_the_objective(toy: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    """``--seeds 0,1 --score-rounds 2``: every trial runs once per seed (its own partition and split) and
+    scores the mean over seeds of each run's last 2 validation values, read back from the runs' metrics; the
+    pruner hears only the first seed. The options change the study (a study of another objective is
+    refused), and bad values are named."""
+    import json
+    import statistics
+
+    from rich.console import Console
+
+    from fedpeft.tune import study_fingerprint
+
+    raw, _ = toy
+    quiet = Console(quiet=True)
+    space = parse_space({"client.lr": {"choices": [0.01, 0.1]}}, "space")
+    result = tune(raw, tmp_path / "t", 2, space=space, grid=True, pruner="none", seeds=[0, 1], score_rounds=2,
+                  console=quiet)
+    rows = _rows(tmp_path / "t")
+    assert len(rows) == 2 and result.trials == 2
+    for number, row in enumerate(rows):
+        scores = []
+        for seed in (0, 1):
+            run = tmp_path / "t" / "trials" / f"{number:03d}" / f"seed{seed}"
+            assert yaml.safe_load((run / "config.yaml").read_text())["seed"] == seed
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            values = [r["validation"]["accuracy"] for r in records if r["round"] > 0 and "validation" in r]
+            assert len(values) == 3
+            scores.append(statistics.fmean(values[-2:]))
+        assert float(row["value"]) == pytest.approx(statistics.fmean(scores), abs=1e-6)
+        assert int(row["rounds_reported"]) == 3  # the first seed's rounds only
+    partitions = [json.loads((tmp_path / "t" / "trials" / "000" / f"seed{s}" / "partition.json").read_text())
+                  for s in (0, 1)]
+    assert partitions[0] != partitions[1]
+    plain = study_fingerprint(raw, space=space, grid=True, pruner="none")
+    assert plain != study_fingerprint(raw, space=space, grid=True, pruner="none", seeds=[0, 1])
+    assert plain != study_fingerprint(raw, space=space, grid=True, pruner="none", score_rounds=2)
+    assert plain == study_fingerprint(raw, space=space, grid=True, pruner="none", seeds=None, score_rounds=1)
+    with pytest.raises(ConfigError, match=r"TUNE_DIR: .* holds the study of another config"):
+        tune(raw, tmp_path / "t", 2, space=space, grid=True, pruner="none", seeds=[0, 1], console=quiet)
+    with pytest.raises(ConfigError, match=r"--score-rounds: must be from 1 to the trial's 3 rounds, got 4"):
+        tune(raw, tmp_path / "x", 2, score_rounds=4, console=quiet)
+    with pytest.raises(ConfigError, match=r"--seeds: must name at least one seed, each once; got \[1, 1\]"):
+        tune(raw, tmp_path / "x", 2, seeds=[1, 1], console=quiet)

@@ -210,6 +210,13 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     from fedpeft.config import load_raw
     from fedpeft.tune import load_space, tune
@@ -219,7 +226,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
     space = load_space(args.space) if args.space else None
     tune(raw, out, args.trials, seed=args.seed, space=space, pruner=args.pruner, rounds=args.rounds,
          validation_fraction=args.validation_fraction, prune_after=args.prune_after,
-         include_defaults=args.include_defaults, grid=args.grid, data_dir=args.data_dir, console=console)
+         include_defaults=args.include_defaults, grid=args.grid, seeds=args.seeds, score_rounds=args.score_rounds,
+         data_dir=args.data_dir, console=console)
     console.print(f"next: fedpeft run {out / 'best.yaml'}")
     return 0
 
@@ -455,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--grid", action="store_true",
                       help="try every combination of a --space of choices once (in a seeded order), as a paper's "
                            "'picked from these values'; --trials must cover the grid")
+    tune.add_argument("--seeds", type=_seed_list,
+                      help="comma-separated seeds: run every trial once per seed (its own partition and split) and "
+                           "score the mean, so an lr that is unstable on some partitions is seen (default: the "
+                           "config's seed alone)")
+    tune.add_argument("--score-rounds", type=int, default=1,
+                      help="score a trial by the mean of its last K rounds' validation values, not the last round "
+                           "alone (default: 1)")
     _add_config_args(tune)
     tune.set_defaults(func=cmd_tune)
 

@@ -88,6 +88,10 @@ class TuneBlock(_Strict):
     # methods whose space (all choices) is tried point by point (`fedpeft tune --grid`), e.g. a paper's
     # "server lr picked from five values"; the grid must fit in `trials` (a grid method spends no more)
     grid: list[str] = Field(default_factory=list)
+    # the objective: every trial once per seed (`fedpeft tune --seeds`) and the mean of its last
+    # score_rounds rounds (`--score-rounds`); defaults: the tune's partition seed, the last round
+    seeds: list[int] | None = Field(None, min_length=1)
+    score_rounds: int = Field(1, gt=0)
 
 
 class CeilingBlock(_Strict):
@@ -473,7 +477,7 @@ def tune_fingerprint(sweep: Sweep, key: str) -> str:
     return study_fingerprint(job.raw, seed=tune.seed, space=None if space is None else parse_space(space, "sweep.tune"),
                              pruner=tune.pruner, rounds=tune.rounds, validation_fraction=tune.validation_fraction,
                              prune_after=tune.prune_after, include_defaults=tune.include_defaults,
-                             grid=job.method in tune.grid)
+                             grid=job.method in tune.grid, seeds=tune.seeds, score_rounds=tune.score_rounds)
 
 
 def tune_trials(sweep: Sweep, key: str) -> int:
@@ -607,6 +611,10 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
             args += ["--rounds", str(tune.rounds)]
         if tune.prune_after is not None:
             args += ["--prune-after", str(tune.prune_after)]
+        if tune.seeds is not None:
+            args += ["--seeds", ",".join(map(str, tune.seeds))]
+        if tune.score_rounds != 1:
+            args += ["--score-rounds", str(tune.score_rounds)]
         code = _fedpeft(args + extra, logs / f"tune_{key}.log")
         say(f"tune {key}: " + ("done" if code == 0 else f"failed (see {logs / f'tune_{key}.log'})"))
 

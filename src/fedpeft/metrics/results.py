@@ -176,6 +176,26 @@ def _seed_lookups(check: str, seeds_of: dict[tuple[str, str, str], dict[Any, dic
     return [lookup_for(seed) for seed in sorted(common)]
 
 
+def _objective(tune: dict[str, Any]) -> str:
+    """The tune's objective in words where it is not the last round of one run ('' where it is)."""
+    seeds, rounds = tune.get("seeds"), tune.get("score_rounds", 1)
+    words = f" Each trial ran once per seed ({', '.join(map(str, seeds))}) and scored the mean" if seeds else ""
+    if rounds > 1:
+        words += (" of" if seeds else " Each trial scored the mean of") + f" its last {rounds} rounds' validation"
+    return words + "." if words else ""
+
+
+def _tune_block(tune: Any) -> dict[str, Any]:
+    """The file's tune block as results record it; the objective's options only where set, so results
+    written before they existed read the same."""
+    block = tune.model_dump()
+    if block["seeds"] is None:
+        del block["seeds"]
+    if block["score_rounds"] == 1:
+        del block["score_rounds"]
+    return block
+
+
 def tuning_summary(sweep: Sweep) -> dict[str, Any]:
     out = {}
     for key in sorted(sweep.tunes):
@@ -290,7 +310,7 @@ def write_results(sweep: Sweep, command: str, allow_fewer: bool = False) -> dict
     data = {
         "benchmark": name, "command": command, "machine": machine, "description": sweep.spec.description,
         "target": sweep.spec.target, "bandwidth": sweep.spec.bandwidth,
-        "tune": None if sweep.spec.tune is None else sweep.spec.tune.model_dump(),
+        "tune": None if sweep.spec.tune is None else _tune_block(sweep.spec.tune),
         "rows": [{k: r.get(k) for k in SPEC_FIELDS} for r in rows],
         "summary": summary, "ceilings": ceilings,
         "ceiling_config": sweep.spec.ceiling.config if sweep.spec.ceiling else None,
@@ -347,7 +367,7 @@ def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
                   + "".join(f" `{name}` runs at `{source}`'s tuned values." for name, source in
                             tune.get("inherit", {}).items())
                   + "".join(f" `{name}` tried every point of its grid once instead ({_grid(tune, name)})."
-                            for name in tune.get("grid", [])),
+                            for name in tune.get("grid", [])) + _objective(tune),
                   ""]
     target = data["target"]
     if target is not None:
