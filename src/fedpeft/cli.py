@@ -184,11 +184,9 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.report_only:
         sweep = load_sweep(Path(args.sweep))
         restrict(sweep, only)  # a misspelt --only fails here too
-        from fedpeft.records import refuse_stale_on_disk, restore_records
+        from fedpeft.records import bring_back
 
-        refuse_stale_on_disk(sweep)  # a stale tune on disk would be reported (and recorded) as the file's
-        if sweep.is_benchmark:
-            restore_records(sweep, console.print)
+        bring_back(sweep, console.print)  # a stale tune on disk would be reported (and recorded) as the file's
     else:
         sweep = run_sweep(Path(args.sweep), workers=args.workers, data_dir=args.data_dir, say=console.print,
                           only=only, device=args.device, allow_fewer=args.allow_fewer_runs)

@@ -48,7 +48,7 @@ from fedpeft.metrics.recorder import (
     resume_differences,
     saved_config,
 )
-from fedpeft.sweep import Sweep, SweepRun, finished, tune_fingerprint, tune_trials, with_tuned
+from fedpeft.sweep import Sweep, SweepRun, finished, tune_fingerprint, tune_finished, tune_trials, with_tuned
 from fedpeft.tune import saved_fingerprint
 
 RUN_FILES = (CONFIG, METRICS, PARTITION, SUMMARY)
@@ -77,7 +77,7 @@ def write_records(sweep: Sweep) -> Path:
     lines = []
     for key in sorted(sweep.tunes):
         folder = sweep.tune_dir(key)
-        if (folder / "tune.json").is_file():
+        if tune_finished(sweep, key):
             lines.append({"tune": key, "files": _with_fingerprint(_files(folder, TUNE_FILES), folder / STUDY)})
         elif (folder / STUDY).is_file() and (study := _study_snapshot(folder / STUDY)) is not None:
             lines.append({"tune": key, "files": {STUDY: study}})
@@ -147,7 +147,7 @@ def restore_records(sweep: Sweep, say: Callable[[str], None] = print) -> int:
     for key in sweep.tunes:
         folder = sweep.tune_dir(key)
         files = tunes.get(key)
-        if files is None or (folder / "tune.json").is_file():
+        if files is None or tune_finished(sweep, key):
             continue
         if "tune.json" in files:
             problem = _finished_tune_mismatch(sweep, key, files["tune.json"])
@@ -250,7 +250,7 @@ def stale_on_disk(sweep: Sweep) -> list[str]:
             continue
         if run.tune_key in stale:
             lines.append(f"{run.run_dir} (made with the choice of the stale tune {run.tune_key})")
-        elif run.tune_key is not None and not (sweep.tune_dir(run.tune_key) / "tune.json").is_file():
+        elif run.tune_key is not None and not tune_finished(sweep, run.tune_key):
             lines.append(f"{run.run_dir} (its tune {run.tune_key} is not on disk to check the run against)")
         elif problem := _mismatch(sweep, run, _files(run.run_dir, RUN_FILES)):
             lines.append(f"{run.run_dir} ({problem})")
@@ -264,11 +264,20 @@ def refuse_stale_on_disk(sweep: Sweep) -> None:
                           "again): " + "; ".join(stale))
 
 
+def bring_back(sweep: Sweep, say: Callable[[str], None] = print) -> None:
+    """What a sweep or its report does first: refuse where a tune or run finished on disk is stale
+    (:func:`refuse_stale_on_disk`), then, for a benchmark, restore its records (:func:`restore_records`). In
+    this order: a record is checked against the tune on disk, so a stale one there would pass its runs."""
+    refuse_stale_on_disk(sweep)
+    if sweep.is_benchmark:
+        restore_records(sweep, say)
+
+
 def _mismatch(sweep: Sweep, run: SweepRun, files: dict[str, str]) -> str:
     """Why a record is not the run the sweep file asks for now ('' when it is)."""
     if set(files) != set(RUN_FILES):
         return f"the record lacks {', '.join(sorted(set(RUN_FILES) - set(files)))}"
-    if run.tune_key is not None and not (sweep.tune_dir(run.tune_key) / "tune.json").is_file():
+    if run.tune_key is not None and not tune_finished(sweep, run.tune_key):
         return f"its tune {run.tune_key} runs first: the record cannot be checked against a choice not yet made"
     try:
         given = build_config(with_tuned(sweep, run))

@@ -384,14 +384,20 @@ def _check_names(spec: SweepFile) -> None:
             raise ConfigError("sweep.tune.partition", f"{spec.tune.partition!r} is not one of sweep.partitions")
 
 
-def _check_grid(tune: TuneBlock, name: str) -> None:
+def _grid(tune: TuneBlock, name: str) -> list[dict[str, Any]]:
+    """The points of grid method ``name``'s space (:func:`fedpeft.tune.grid_points`), checked."""
     from fedpeft.tune import grid_points, parse_space
 
     where = f"sweep.tune.grid.{name}"
     space = tune.spaces.get(name, tune.space)
     if name in tune.skip or name in tune.inherit or space is None:
         raise ConfigError(where, "a grid method is tuned itself, over a space of choices in tune.spaces or tune.space")
-    points = grid_points(parse_space(space, where), tune.seed, where)
+    return grid_points(parse_space(space, where), tune.seed, where)
+
+
+def _check_grid(tune: TuneBlock, name: str) -> None:
+    where = f"sweep.tune.grid.{name}"
+    points = _grid(tune, name)
     if len(points) > tune.trials:
         raise ConfigError(where, f"the grid has {len(points)} points, more than tune.trials ({tune.trials})")
 
@@ -458,10 +464,15 @@ def _ceiling_point(sweep: Sweep, task: str, seed: int) -> SweepRun:
                     tune_key=_tune_key(sweep, task, ceiling.method, first_partition))
 
 
+def tune_finished(sweep: Sweep, key: str) -> bool:
+    """Whether the sweep's tune ``key`` has finished: its ``tune.json``, written last, is there."""
+    return (sweep.tune_dir(key) / "tune.json").is_file()
+
+
 def tuned_values(sweep: Sweep, key: str) -> dict[str, Any]:
     """The best values a finished tune chose (its ``tune.json``)."""
     path = sweep.tune_dir(key) / "tune.json"
-    if not path.is_file():
+    if not tune_finished(sweep, key):
         raise ConfigError("sweep.tune", f"the tune {key} has not finished ({path} is missing)")
     return dict(json.loads(path.read_text())["best_params"])
 
@@ -483,16 +494,10 @@ def tune_fingerprint(sweep: Sweep, key: str) -> str:
 def tune_trials(sweep: Sweep, key: str) -> int:
     """How many trials the sweep's tune ``key`` runs: the file's ``trials``, or a grid's size (a grid is cut
     to its points)."""
-    from fedpeft.tune import parse_space, planned_trials
-
     tune = sweep.spec.tune
     assert tune is not None
-    job = sweep.tunes[key]
-    if job.method not in tune.grid:
-        return tune.trials
-    space = tune.spaces.get(job.method, tune.space)
-    return planned_trials(job.raw, tune.trials, seed=tune.seed, space=None if space is None else
-                          parse_space(space, "sweep.tune"), rounds=tune.rounds, grid=True)
+    method = sweep.tunes[key].method
+    return len(_grid(tune, method)) if method in tune.grid else tune.trials
 
 
 def with_tuned(sweep: Sweep, run: SweepRun) -> dict[str, Any]:
@@ -572,16 +577,13 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
     (:func:`fedpeft.records.stale_on_disk`): it would be skipped as done and reported as the file's."""
     whole = load_sweep(path)
     sweep = restrict(whole, only) if only else whole
-    from fedpeft.records import refuse_stale_on_disk
+    from fedpeft.records import bring_back
 
-    refuse_stale_on_disk(whole)  # before restoring: a record is checked against the tune on disk
-    if whole.is_benchmark:
+    bring_back(whole, say)
+    if whole.is_benchmark and not allow_fewer:
         from fedpeft.metrics.results import refuse_fewer_runs
-        from fedpeft.records import restore_records
 
-        restore_records(whole, say)
-        if not allow_fewer:
-            refuse_fewer_runs(whole, running=sweep.runs)
+        refuse_fewer_runs(whole, running=sweep.runs)
     configs = sweep.out_dir / "configs"
     logs = sweep.out_dir / "logs"
     extra = ["--data-dir", data_dir] if data_dir else []
@@ -590,7 +592,7 @@ def run_sweep(path: Path, workers: int = 1, data_dir: str | None = None,
         return raw if device is None else deep_merge(raw, {"engine": {"device": device}})
 
     def do_tune(key: str) -> None:
-        if (sweep.tune_dir(key) / "tune.json").exists():
+        if tune_finished(sweep, key):
             return
         tune = sweep.spec.tune
         assert tune is not None

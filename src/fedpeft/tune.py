@@ -317,15 +317,6 @@ def study_fingerprint(raw: dict[str, Any], *, seed: int = 0, space: Space | None
     return _fingerprint(base, space, seed, pruner, prune_after, include_defaults, grid, seeds, score_rounds)
 
 
-def planned_trials(raw: dict[str, Any], trials: int, *, seed: int = 0, space: Space | None = None,
-                   rounds: int | None = None, grid: bool = False) -> int:
-    """How many trials :func:`tune` runs when asked for ``trials``: a grid runs its points, no more."""
-    if not grid:
-        return trials
-    space = space if space is not None else default_space(build_config(tuning_config(raw, rounds, None)))
-    return len(grid_points(space, seed))
-
-
 def grid_points(space: Space, seed: int, source: str = "--grid") -> list[dict[str, Any]]:
     """Every combination of a space of choices, in an order shuffled by ``seed``; a range is an error
     (a grid has no points in it)."""
