@@ -51,6 +51,15 @@ def test_aggregate_and_mark_within_noise() -> None:
     assert by["c"]["vs_best"] == "-15.7 pts"
 
 
+def test_aggregate_averages_flops_over_seeds() -> None:
+    rows = [_row("a", s, 0.8) | {"client_flops_per_step": f, "client_flops_per_round": 10 * f}
+            for s, f in enumerate([1e9, 2e9, 3e9])]
+    (merged,) = aggregate_seeds(rows)
+    assert merged["client_flops_per_step"] == pytest.approx(2e9)  # not seed 0's 1e9
+    assert merged["client_flops_per_round"] == pytest.approx(2e10)
+    assert merged["client_flops_per_step_std"] == pytest.approx(1e9)
+
+
 def test_single_seed_rows_use_binomial_intervals_for_noise() -> None:
     from fedpeft.metrics.stats import estimate as est
 

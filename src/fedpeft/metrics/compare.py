@@ -207,14 +207,15 @@ def default_target(runs: Sequence[Run], fraction: float = 0.95) -> float | None:
 SEED_KEYS = ("best_metric", "final_metric", "rounds_to_target", "bytes_to_target", "seconds_to_target",
              "communication_seconds_to_target",
              "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "last_uplink_bytes_per_client",
-             "total_bytes", "wall_seconds")
+             "total_bytes", "wall_seconds", "client_flops_per_step", "client_flops_per_round")
 
 
 def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (task, partition, method, run name without its seed): the mean, the sample
     standard deviation (``*_std``) and the 95% interval (``*_ci``: t over seeds; for the best and
     final metric of a single seed, the binomial interval of its eval size). Rounds, bytes and time
-    to target are null unless every seed reached the target."""
+    to target are null unless every seed reached the target. FLOPs are averaged too: a method whose
+    pruned model differs by seed (head pruning) counts differently per seed."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["task"], row["partition"], row["method"], row["run"].rsplit("_seed", 1)[0]),
@@ -240,8 +241,7 @@ def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 interval = estimate(values, None, fraction=False)
             merged[f"{key}_ci"] = [interval.low, interval.high]
-        for key in ("trainable_params", "client_flops_per_step", "client_flops_per_round", "target",
-                    "rounds", "clients", "clients_per_round"):
+        for key in ("trainable_params", "target", "rounds", "clients", "clients_per_round"):
             merged[key] = members[0].get(key)
         out.append(merged)
     return out
