@@ -94,6 +94,9 @@ def test_values_are_reported_and_gate_needs_the_ceiling() -> None:
     assert gated.verdict == NOT_REACHED and "below 90% of its centralised ceiling" in gated.why
     assert gate(judgement, "lora", 0.85, ceiling=0.93).verdict == WITHIN_NOISE  # 0.85 >= 0.837
     assert gate(judgement, "lora", 0.85, ceiling=None).verdict == WITHIN_NOISE
+    unrun = gate(judgement, "lora", None, ceiling=0.93)  # a partial benchmark: the baseline has not run yet
+    assert unrun.verdict == NOT_REACHED and unrun.why.startswith("baseline lora has no results yet")
+    assert "within noise" in unrun.why
 
 
 # three seeds where the seed moves every method together: a leads b on every seed by 0.09-0.11

@@ -297,8 +297,14 @@ def _any_of(parts: list[str]) -> str:
 def gate(judgement: Judgement, baseline: str | None, baseline_final: float | None,
          ceiling: float | None, cell: str = "") -> Judgement:
     """No verdict where the claim's baseline ended below 90% of its centralised ceiling (``cell``: the
-    cell it ended there, when that is another cell the check reads)."""
-    if baseline is None or baseline_final is None or ceiling is None:
+    cell it ended there, when that is another cell the check reads). A baseline with no result yet (a
+    partial benchmark) gives no verdict either: nothing says the budget is one at which it learns."""
+    if baseline is not None and baseline_final is None:
+        where = f" in {cell}" if cell else ""
+        return Judgement(NOT_REACHED, judgement.values,
+                         f"baseline {baseline} has no results{where} yet (the check alone says: {judgement.verdict}"
+                         f"{'; ' + judgement.why if judgement.why else ''})")
+    if baseline is None or ceiling is None:
         return judgement
     if baseline_final < CEILING_FRACTION * ceiling:
         where = f" in {cell}" if cell else ""
