@@ -38,7 +38,8 @@ ORDER = ("defaults", "defaults_tuned", "no_pooler", "no_pooler_tuned", "no_poole
          "headprune", "fedpeptao")
 # the README lists the papers' claims first, then the project's own (defaults that learn, ablations)
 PAPERS = ("federa", "federa_participation", "federa_adjusted", "federa_20ng", "federa_qqp", "federa_ner_qa", "flasc",
-          "fedtt", "fedtt_minilm", "fedtt_minilm_qqp", "headprune", "headprune_20ng", "headprune_mnli", "fedpeptao")
+          "fedtt", "fedtt_minilm", "fedtt_minilm_qqp", "fedtt_minilm_qqp_severe", "headprune", "headprune_20ng",
+          "headprune_mnli", "fedpeptao")
 
 
 def benchmarks() -> list[dict[str, Any]]:
