@@ -299,7 +299,7 @@ def gate(judgement: Judgement, baseline: str | None, baseline_final: float | Non
     """No verdict where the claim's baseline ended below 90% of its centralised ceiling (``cell``: the
     cell it ended there, when that is another cell the check reads). A baseline with no result yet (a
     partial benchmark) gives no verdict either: nothing says the budget is one at which it learns."""
-    if baseline is not None and baseline_final is None:
+    if baseline is not None and baseline_final is None and judgement.verdict != NOT_REACHED:
         where = f" in {cell}" if cell else ""
         return Judgement(NOT_REACHED, judgement.values,
                          f"baseline {baseline} has no results{where} yet (the check alone says: {judgement.verdict}"
