@@ -97,6 +97,8 @@ def test_values_are_reported_and_gate_needs_the_ceiling() -> None:
     unrun = gate(judgement, "lora", None, ceiling=0.93)  # a partial benchmark: the baseline has not run yet
     assert unrun.verdict == NOT_REACHED and unrun.why.startswith("baseline lora has no results yet")
     assert "within noise" in unrun.why
+    unreached = judge("tt.time_to_target <= lora.time_to_target", lookup)  # already not reached: kept as it is
+    assert gate(unreached, "lora", None, ceiling=0.93) is unreached
 
 
 # three seeds where the seed moves every method together: a leads b on every seed by 0.09-0.11

@@ -299,19 +299,19 @@ def gate(judgement: Judgement, baseline: str | None, baseline_final: float | Non
     """No verdict where the claim's baseline ended below 90% of its centralised ceiling (``cell``: the
     cell it ended there, when that is another cell the check reads). A baseline with no result yet (a
     partial benchmark) gives no verdict either: nothing says the budget is one at which it learns."""
+    where = f" in {cell}" if cell else ""
+
+    def no_verdict(reason: str) -> Judgement:
+        return Judgement(NOT_REACHED, judgement.values, f"{reason} (the check alone says: {judgement.verdict}"
+                                                        f"{'; ' + judgement.why if judgement.why else ''})")
+
     if baseline is not None and baseline_final is None and judgement.verdict != NOT_REACHED:
-        where = f" in {cell}" if cell else ""
-        return Judgement(NOT_REACHED, judgement.values,
-                         f"baseline {baseline} has no results{where} yet (the check alone says: {judgement.verdict}"
-                         f"{'; ' + judgement.why if judgement.why else ''})")
-    if baseline is None or ceiling is None:
+        return no_verdict(f"baseline {baseline} has no results{where} yet")
+    if baseline is None or baseline_final is None or ceiling is None:
         return judgement
     if baseline_final < CEILING_FRACTION * ceiling:
-        where = f" in {cell}" if cell else ""
-        return Judgement(NOT_REACHED, judgement.values,
-                         f"baseline {baseline} ended at {baseline_final:.3f}{where}, below 90% of its centralised "
-                         f"ceiling {ceiling:.3f} (the check alone says: {judgement.verdict}"
-                         f"{'; ' + judgement.why if judgement.why else ''})")
+        return no_verdict(f"baseline {baseline} ended at {baseline_final:.3f}{where}, below 90% of its centralised "
+                          f"ceiling {ceiling:.3f}")
     return judgement
 
 
