@@ -499,6 +499,37 @@ def test_committed_verdicts_rejudge_from_the_results_file_alone(path: Path) -> N
         [(c["verdict"], (c["paired"] or {}).get("verdict")) for c in claim["cells"]] for claim in data["claims"]]
 
 
+def test_rejudge_judges_the_committed_results_again_from_the_file_alone(tmp_path: Path, capsys) -> None:
+    """`fedpeft sweep FILE --rejudge` reads no runs (here there are none): the results file's claims and notes
+    follow the sweep file's edited claims, nothing else in it changes, and the markdown follows the file."""
+    import shutil
+
+    from fedpeft.cli import main
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    raw = yaml.safe_load((root / "fedtt_minilm_qqp.yaml").read_text())
+    (tmp_path / "results").mkdir()
+    shutil.copy(root / "results" / "fedtt_minilm_qqp.json", tmp_path / "results")
+    before = json.loads((tmp_path / "results" / "fedtt_minilm_qqp.json").read_text())
+    raw["claims"] = [{"id": "loses", "claim": "FedTT is 10 points below LoRA r=8", "baseline": "lora_r8",
+                      "where": {"partition": "appb_iid"}, "check": "fedtt.final <= lora_r8.final - 0.1"}]
+    raw["notes"] = ["edited"]
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["sweep", str(path), "--rejudge"]) == 0
+    after = json.loads((tmp_path / "results" / "fedtt_minilm_qqp.json").read_text())
+    assert [(c["id"], [cell["verdict"] for cell in c["cells"]]) for c in after["claims"]] == [("loses", ["refuted"])]
+    assert after["notes"] == ["edited"]
+    assert {k: v for k, v in after.items() if k not in ("claims", "notes")} == {
+        k: v for k, v in before.items() if k not in ("claims", "notes")}
+    page = (tmp_path / "results" / "fedtt_minilm_qqp.md").read_text()
+    assert "FedTT is 10 points below LoRA r=8" in page and "**refuted**" in page
+    assert not (tmp_path / "runs").exists()  # nothing ran
+    (tmp_path / "results" / "fedtt_minilm_qqp.json").unlink()
+    assert main(["sweep", str(path), "--rejudge"]) == 2
+    assert "there are no results to judge again" in capsys.readouterr().out
+
+
 def test_readme_results_match_the_committed_results() -> None:
     """The README's claims tables and benchmarks/results/README.md are generated from benchmarks/results/*.json:
     they may not drift from them."""

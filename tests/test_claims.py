@@ -183,6 +183,50 @@ def test_a_claim_reading_a_cell_where_the_baseline_did_not_learn_is_not_reached(
     assert judge_claims(sweep, learned, ceilings)[0]["cells"][0]["verdict"] == "confirmed"  # 0.01 < 0.08
 
 
+def test_a_claims_gate_cell_replaces_the_cells_it_reads() -> None:
+    """`gate: {partition: iid}`: a severe-heterogeneity claim is judged although the baseline ends below 90%
+    of its ceiling in the severe cell (the heterogeneity the claim is about), as long as it reaches it in the
+    iid cell at the same budget; the verdict names the gate cell and the baseline's value there. Where the
+    baseline falls short in the gate cell too, the claim is not reached; a gate names a real cell and needs
+    a baseline (an error naming the field otherwise)."""
+    from types import SimpleNamespace
+
+    from fedpeft.metrics.results import judge_claims
+    from fedpeft.sweep import ClaimSpec, expand
+
+    def row(partition: str, method: str, final: float) -> dict:
+        return {"task": "qqp", "partition": partition, "method": method, "final_metric": final,
+                "final_metric_ci": [final - 0.01, final + 0.01]}
+
+    def judged(claim: ClaimSpec, summary: list[dict]) -> dict:
+        sweep = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=[claim]))
+        return judge_claims(sweep, summary, [{"task": "qqp", "best_metric": 0.80}])[0]["cells"]  # 90%: 0.72
+
+    check = "fedtt_plus.final >= lora.final"
+    severe = [row("severe", "lora", 0.68), row("severe", "fedtt_plus", 0.71)]
+    strict = ClaimSpec(id="c", claim="x", baseline="lora", where={"partition": "severe"}, check=check)
+    assert judged(strict, [row("iid", "lora", 0.78), *severe])[0]["verdict"] == NOT_REACHED
+    gated = ClaimSpec(id="c", claim="x", baseline="lora", where={"partition": "severe"}, gate={"partition": "iid"},
+                      check=check)
+    cell = judged(gated, [row("iid", "lora", 0.78), *severe])[0]
+    assert cell["verdict"] == CONFIRMED
+    assert cell["why"] == "gated in qqp/iid: lora ended at 0.780 there, at least 90% of its centralised ceiling 0.800"
+    cell = judged(gated, [row("iid", "lora", 0.70), *severe])[0]
+    assert cell["verdict"] == NOT_REACHED
+    assert "baseline lora ended at 0.700 in qqp/iid, below 90% of its centralised ceiling 0.800" in cell["why"]
+    assert judged(gated, severe)[0]["verdict"] == NOT_REACHED  # no iid run of the baseline yet
+
+    body = {"base": {"model": {"name": "tiny-bert"}, "task": {"name": "sst2"}}, "methods": {"lora": {"method": "lora"}},
+            "partitions": {"iid": {"partition": {"kind": "iid"}}},
+            "claims": [{"id": "c", "claim": "x", "baseline": "lora", "check": "lora.final >= 0.5",
+                        "gate": {"partition": "severe"}}]}
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.gate\.partition.*'severe' is not one of"):
+        expand(body)
+    body["claims"][0].update(gate={"partition": "iid"}, baseline=None)
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.gate.*needs the claim's baseline"):
+        expand(body)
+
+
 def test_a_check_reads_the_centralised_ceiling() -> None:
     """``ceiling.best`` is the task's centralised run with its interval; seed by seed it counts at its mean.
     lora: 0.80, 0.82, 0.84 (mean 0.82, t(2) half-width 4.303 * 0.02 / sqrt(3) = 0.0497); the ceiling 0.88

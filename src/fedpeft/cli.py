@@ -181,6 +181,15 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     only = parse_only(args.only)
     if args.device is not None:
         _check_device(args.device)
+    if args.rejudge:
+        sweep = load_sweep(Path(args.sweep))
+        if not sweep.is_benchmark:
+            raise ConfigError("--rejudge", f"{args.sweep} is not a benchmark (no results_dir:): it has no claims")
+        from fedpeft.metrics.results import rejudge_results
+
+        for path in rejudge_results(sweep).values():
+            console.print(f"wrote {path}")
+        return 0
     if args.report_only:
         sweep = load_sweep(Path(args.sweep))
         restrict(sweep, only)  # a misspelt --only fails here too
@@ -481,9 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--data-dir", help="folder of the benchmark data")
     sweep.add_argument("--device", help="engine.device of every tune and run started (e.g. cuda): a benchmark on a GPU "
                                         "without editing its file")
-    sweep.add_argument("--report-only", action="store_true",
-                       help="run nothing: write the results of the runs that finished, here or in the committed "
-                            "records (the rest listed as not run)")
+    what = sweep.add_mutually_exclusive_group()
+    what.add_argument("--report-only", action="store_true",
+                      help="run nothing: write the results of the runs that finished, here or in the committed "
+                           "records (the rest listed as not run)")
+    what.add_argument("--rejudge", action="store_true",
+                      help="run nothing and read no runs: judge the committed results file's claims again under "
+                           "the sweep file's claims (and take its notes again), from the results file alone")
     sweep.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                        help="run only these cells (KEY: task, method, partition or seed; repeatable): a large "
                             "benchmark one part at a time; the results cover every run finished so far")

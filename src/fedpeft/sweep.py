@@ -120,6 +120,11 @@ class ClaimSpec(_Strict):
     baseline: str | None = None  # its centralised ceiling gates the verdict
     # {task: ..., partition: ...}; default every cell, less those where `exclude` leaves out a method it reads
     where: dict[str, str] = Field(default_factory=dict)
+    # {task: ..., partition: ...}: the cell whose baseline run must reach 90% of its ceiling, in place of the
+    # cells the check reads (keys left out: the judged cell's). For a claim about what a harder cell does to
+    # the methods (severe heterogeneity): there the baseline may fall short of its ceiling because of the
+    # heterogeneity the claim is about, so the budget is shown to be one at which it learns in the easy cell
+    gate: dict[Literal["task", "partition"], str] = Field(default_factory=dict)
 
 
 class SweepFile(_Strict):
@@ -361,6 +366,13 @@ def _check_names(spec: SweepFile) -> None:
                 raise ConfigError(f"sweep.claims.{index}.check", f"{method!r} is not one of sweep.methods")
         if claim.baseline is not None and claim.baseline not in known:
             raise ConfigError(f"sweep.claims.{index}.baseline", f"{claim.baseline!r} is not one of sweep.methods")
+        if claim.gate and claim.baseline is None:
+            raise ConfigError(f"sweep.claims.{index}.gate", "a gate cell needs the claim's baseline, whose run "
+                              "there it reads")
+        for key, name in claim.gate.items():
+            if name not in dimensions[key]:
+                raise ConfigError(f"sweep.claims.{index}.gate.{key}", f"{name!r} is not one of the sweep's {key}s "
+                                  f"({', '.join(sorted(dimensions[key])) or 'none'})")
         cells = itertools.product(spec.tasks or [claim.where.get("task", "")],
                                   spec.partitions or [claim.where.get("partition", "")])
         if spec.exclude and not any(judged_in(spec, claim, task, partition) for task, partition in cells):

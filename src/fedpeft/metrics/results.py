@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt
 from fedpeft.claims import (
     CEILING,
     CEILING_FRACTION,
+    NOT_REACHED,
     QUANTITIES,
     Interval,
     Judgement,
@@ -119,14 +120,19 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
                     raise Missing(f"{method} has no results in {'/'.join(where(method, selector)[:2])}")
                 return row_interval(row, quantity)
 
-            # the baseline must have learned in every cell the check reads, not only the one judged
-            read = list(dict.fromkeys([(task, partition), *(where(m, s)[:2] for m, s, _ in references(claim.check))]))
+            # the baseline must have learned in every cell the check reads, not only the one judged (or, with
+            # the claim's `gate`, in that cell)
+            read = ([(claim.gate.get("task", task), claim.gate.get("partition", partition))] if claim.gate else
+                    list(dict.fromkeys([(task, partition),
+                                        *(where(m, s)[:2] for m, s, _ in references(claim.check))])))
 
-            judgement = _gate_cells(judge(claim.check, lookup), claim.baseline, read, index, ceilings)
+            judgement = _gate_cells(judge(claim.check, lookup), claim.baseline, read, (task, partition), index,
+                                    ceilings, bool(claim.gate))
             paired = judge_paired(claim.check, _seed_lookups(claim.check, seeds_of, where, ceilings))
             gap = paired.why if paired is not None else ""
             if paired is not None:
-                paired = _gate_cells(paired, claim.baseline, read, index, ceilings)
+                paired = _gate_cells(paired, claim.baseline, read, (task, partition), index, ceilings,
+                                     bool(claim.gate))
             judged.append({"task": task, "partition": partition, "verdict": judgement.verdict,
                            "values": judgement.values, "why": judgement.why,
                            "paired": None if paired is None else {"verdict": paired.verdict, "why": paired.why,
@@ -137,16 +143,26 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
 
 
 def _gate_cells(judgement: Judgement, baseline: str | None, cells: Sequence[tuple[str, str]],
-                index: Mapping[tuple[str, str, str], dict[str, Any]], ceilings: Sequence[dict[str, Any]]) -> Judgement:
-    """:func:`fedpeft.claims.gate` over each cell a check reads (the judged one first): not reached where the
-    baseline ended below 90% of its ceiling in any of them (two methods both at the majority class in one
-    cell "lose the same" from another, which says nothing)."""
-    for number, (task, partition) in enumerate(cells):
+                judged: tuple[str, str], index: Mapping[tuple[str, str, str], dict[str, Any]],
+                ceilings: Sequence[dict[str, Any]], gate_cell: bool = False) -> Judgement:
+    """:func:`fedpeft.claims.gate` over each cell a check reads (the judged one first), or the claim's gate
+    cell (``gate_cell``): not reached where the baseline ended below 90% of its ceiling in any of them (two
+    methods both at the majority class in one cell "lose the same" from another, which says nothing). A
+    verdict gated by a claim's gate cell says so, with the baseline's value there."""
+    for task, partition in cells:
         row = index.get((task, partition, baseline)) if baseline else None
         out = gate(judgement, baseline, row["final_metric"] if row else None, ceiling_of(ceilings, task),
-                   f"{task}/{partition}" if number else "")
+                   f"{task}/{partition}" if (task, partition) != judged else "")
         if out is not judgement:
             return out
+    if baseline and gate_cell and judgement.verdict != NOT_REACHED:
+        task, partition = cells[0]
+        ceiling, row = ceiling_of(ceilings, task), index.get((task, partition, baseline))
+        if ceiling is not None and row is not None:
+            note = (f"gated in {task}/{partition}: {baseline} ended at {row['final_metric']:.3f} there, at least 90% "
+                    f"of its centralised ceiling {ceiling:.3f}")
+            return Judgement(judgement.verdict, judgement.values, f"{judgement.why}; {note}" if judgement.why
+                             else note)
     return judgement
 
 
@@ -324,6 +340,25 @@ def write_results(sweep: Sweep, command: str, allow_fewer: bool = False) -> dict
     paths["md"].write_text(markdown(data, figures))
     paths["records"] = write_records(sweep)
     return {**paths, **{f"png{i}": p for i, p in enumerate(figures)}}
+
+
+def rejudge_results(sweep: Sweep) -> dict[str, Path]:
+    """The committed ``NAME.json``'s claims judged again under the sweep file's claims, and its description
+    and notes taken again, from the results file alone (its summary, ceilings and per-seed rows): claims
+    edited after the runs and their folders are gone. Nothing else in the file changes; ``NAME.md`` is
+    rendered from it again with the figures beside it."""
+    name = sweep.spec.name or "benchmark"
+    path = sweep.results_dir() / f"{name}.json"
+    if not path.exists():
+        raise ConfigError("--rejudge", f"{path} does not exist: there are no results to judge again (run the "
+                                       "benchmark)")
+    data = json.loads(path.read_text())
+    data.update(description=sweep.spec.description, notes=sweep.spec.notes,
+                claims=judge_claims(sweep, data["summary"], data["ceilings"], data["rows"]))
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    markdown_path = path.with_suffix(".md")
+    markdown_path.write_text(markdown_from_file(path, data))
+    return {"json": path, "md": markdown_path}
 
 
 def computed_on(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
