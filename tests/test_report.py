@@ -125,7 +125,7 @@ def test_sweep_runs_grid_and_aggregates_seeds(toy_files: tuple[Path, Path], tmp_
              "grid": {"adapter.r": [2, 4], "seed": [0, 1]}}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
-    assert main(["sweep", str(path)]) == 0
+    assert main(["sweep", str(path), "--workers", "2"]) == 0
     rows = json.loads((tmp_path / "sweep" / "compare.json").read_text())
     assert sorted(r["run"] for r in rows) == ["2", "4"]
     assert all(r["seeds"] == [0, 1] for r in rows)

@@ -157,7 +157,8 @@ def test_sigkill_then_resume_continues_the_study(toy: tuple[dict[str, Any], Path
     raw = {**raw, "rounds": 6}
     config = tmp_path / "exp.yaml"
     config.write_text(yaml.safe_dump(raw))
-    subprocess.run(_command(config, tmp_path / "full"), env=_env(), check=True, capture_output=True)
+    full = subprocess.Popen(_command(config, tmp_path / "full"), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # the uninterrupted reference, beside the killed tune
     proc = subprocess.Popen(_command(config, tmp_path / "killed"), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "killed" / "trials" / "001" / "metrics.jsonl"
@@ -171,6 +172,7 @@ def test_sigkill_then_resume_continues_the_study(toy: tuple[dict[str, Any], Path
     assert len(metrics.read_text().splitlines()) < 6  # killed inside trial 1
     done = subprocess.run(_command(config, tmp_path / "killed"), env=_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert full.wait(timeout=300) == 0
     full, killed = _rows(tmp_path / "full"), _rows(tmp_path / "killed")
     assert [(r["client.lr"], r["value"]) for r in killed] == [(r["client.lr"], r["value"]) for r in full]
     resumed = next(r for r in killed if r["run_dir"].endswith("001"))
