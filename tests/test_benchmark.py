@@ -513,17 +513,19 @@ def test_rejudge_judges_the_committed_results_again_from_the_file_alone(tmp_path
     before = json.loads((tmp_path / "results" / "fedtt_minilm_qqp.json").read_text())
     raw["claims"] = [{"id": "loses", "claim": "FedTT is 10 points below LoRA r=8", "baseline": "lora_r8",
                       "where": {"partition": "appb_iid"}, "check": "fedtt.final <= lora_r8.final - 0.1"}]
-    raw["notes"] = ["edited"]
+    raw["notes"], raw["description"] = ["edited"], "described again"
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(raw))
+    assert main(["sweep", str(path), "--rejudge", "--only", "seed=0"]) == 2  # runs nothing: --only would do nothing
     assert main(["sweep", str(path), "--rejudge"]) == 0
     after = json.loads((tmp_path / "results" / "fedtt_minilm_qqp.json").read_text())
     assert [(c["id"], [cell["verdict"] for cell in c["cells"]]) for c in after["claims"]] == [("loses", ["refuted"])]
-    assert after["notes"] == ["edited"]
-    assert {k: v for k, v in after.items() if k not in ("claims", "notes")} == {
-        k: v for k, v in before.items() if k not in ("claims", "notes")}
+    assert (after["notes"], after["description"]) == (["edited"], "described again")
+    changed = ("claims", "notes", "description", "rejudged")
+    assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
     page = (tmp_path / "results" / "fedtt_minilm_qqp.md").read_text()
     assert "FedTT is 10 points below LoRA r=8" in page and "**refuted**" in page
+    assert f"Claims judged again on {after['rejudged']} from this file alone" in page
     assert not (tmp_path / "runs").exists()  # nothing ran
     (tmp_path / "results" / "fedtt_minilm_qqp.json").unlink()
     assert main(["sweep", str(path), "--rejudge"]) == 2

@@ -186,21 +186,22 @@ def test_a_claim_reading_a_cell_where_the_baseline_did_not_learn_is_not_reached(
 def test_a_claims_gate_cell_replaces_the_cells_it_reads() -> None:
     """`gate: {partition: iid}`: a severe-heterogeneity claim is judged although the baseline ends below 90%
     of its ceiling in the severe cell (the heterogeneity the claim is about), as long as it reaches it in the
-    iid cell at the same budget; the verdict names the gate cell and the baseline's value there. Where the
-    baseline falls short in the gate cell too, the claim is not reached; a gate names a real cell and needs
-    a baseline (an error naming the field otherwise)."""
+    iid cell at the same budget; the verdict (and the same-seed one) names the gate cell, the baseline's value
+    there and where the check reads it below 90%. Where the baseline falls short in the gate cell too, or has
+    no run there, the claim is not reached. A gate names a real partition, needs a baseline, and may not be a
+    cell `exclude` leaves the baseline out of (errors naming the field)."""
     from types import SimpleNamespace
 
     from fedpeft.metrics.results import judge_claims
     from fedpeft.sweep import ClaimSpec, expand
 
-    def row(partition: str, method: str, final: float) -> dict:
+    def row(partition: str, method: str, final: float, seed: int | None = None) -> dict:
         return {"task": "qqp", "partition": partition, "method": method, "final_metric": final,
-                "final_metric_ci": [final - 0.01, final + 0.01]}
+                "final_metric_ci": [final - 0.01, final + 0.01], **({} if seed is None else {"seed": seed})}
 
-    def judged(claim: ClaimSpec, summary: list[dict]) -> dict:
+    def judged(claim: ClaimSpec, summary: list[dict], rows: list[dict] = ()) -> list[dict]:
         sweep = SimpleNamespace(spec=SimpleNamespace(exclude=[], seeds=[], claims=[claim]))
-        return judge_claims(sweep, summary, [{"task": "qqp", "best_metric": 0.80}])[0]["cells"]  # 90%: 0.72
+        return judge_claims(sweep, summary, [{"task": "qqp", "best_metric": 0.80}], rows)[0]["cells"]  # 90%: 0.72
 
     check = "fedtt_plus.final >= lora.final"
     severe = [row("severe", "lora", 0.68), row("severe", "fedtt_plus", 0.71)]
@@ -208,22 +209,45 @@ def test_a_claims_gate_cell_replaces_the_cells_it_reads() -> None:
     assert judged(strict, [row("iid", "lora", 0.78), *severe])[0]["verdict"] == NOT_REACHED
     gated = ClaimSpec(id="c", claim="x", baseline="lora", where={"partition": "severe"}, gate={"partition": "iid"},
                       check=check)
-    cell = judged(gated, [row("iid", "lora", 0.78), *severe])[0]
+    rows = [row(p, m, f + 0.01 * seed, seed) for seed in (0, 1, 2)
+            for p, m, f in (("iid", "lora", 0.77), ("severe", "lora", 0.67), ("severe", "fedtt_plus", 0.70))]
+    cell = judged(gated, [row("iid", "lora", 0.78), *severe], rows)[0]
     assert cell["verdict"] == CONFIRMED
-    assert cell["why"] == "gated in qqp/iid: lora ended at 0.780 there, at least 90% of its centralised ceiling 0.800"
-    cell = judged(gated, [row("iid", "lora", 0.70), *severe])[0]
-    assert cell["verdict"] == NOT_REACHED
+    note = ("gated in qqp/iid: lora ended at 0.780 there, at least 90% of its centralised ceiling 0.800; below it "
+            "where the check reads: 0.680 in qqp/severe")
+    assert cell["why"] == note
+    assert cell["paired"]["verdict"] == CONFIRMED and cell["paired"]["why"].endswith(note)
+    cell = judged(gated, [row("iid", "lora", 0.70), *severe], rows)[0]
+    assert cell["verdict"] == NOT_REACHED and cell["paired"]["verdict"] == NOT_REACHED
     assert "baseline lora ended at 0.700 in qqp/iid, below 90% of its centralised ceiling 0.800" in cell["why"]
     assert judged(gated, severe)[0]["verdict"] == NOT_REACHED  # no iid run of the baseline yet
+    # judged in the gate cell itself, reading the severe cell too (a drop from iid to severe)
+    drop = ClaimSpec(id="d", claim="x", baseline="lora", where={"partition": "iid"}, gate={"partition": "iid"},
+                     check='fedtt_plus["iid"].final - fedtt_plus["severe"].final'
+                           ' < lora["iid"].final - lora["severe"].final')
+    summary = [row("iid", "lora", 0.78), row("iid", "fedtt_plus", 0.76), *severe]
+    assert judged(ClaimSpec(**{**drop.model_dump(), "gate": {}}), summary)[0]["verdict"] == NOT_REACHED
+    cell = judged(drop, summary)[0]
+    assert cell["verdict"] == CONFIRMED  # 0.05 < 0.10
+    assert cell["why"] == ("gated in qqp/iid: lora ended at 0.780 there, at least 90% of its centralised ceiling "
+                           "0.800; below it where the check reads: 0.680 in qqp/severe")
 
-    body = {"base": {"model": {"name": "tiny-bert"}, "task": {"name": "sst2"}}, "methods": {"lora": {"method": "lora"}},
-            "partitions": {"iid": {"partition": {"kind": "iid"}}},
-            "claims": [{"id": "c", "claim": "x", "baseline": "lora", "check": "lora.final >= 0.5",
+    body = {"base": {"model": {"name": "tiny-bert"}, "task": {"name": "sst2"}},
+            "methods": {"lora": {"method": "lora"}, "bitfit": {"method": "bitfit"}},
+            "partitions": {"iid": {"partition": {"kind": "iid"}}, "d0.1": {"partition": {"kind": "dirichlet"}}},
+            "claims": [{"id": "c", "claim": "x", "baseline": "lora", "check": "bitfit.final >= lora.final",
                         "gate": {"partition": "severe"}}]}
     with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.gate\.partition.*'severe' is not one of"):
         expand(body)
+    body["claims"][0].update(gate={"task": "sst2"})
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.gate"):  # only a partition: the judged task's
+        expand(body)
     body["claims"][0].update(gate={"partition": "iid"}, baseline=None)
     with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.gate.*needs the claim's baseline"):
+        expand(body)
+    body["claims"][0].update(baseline="lora")
+    body["exclude"] = [{"method": "lora", "partition": "iid"}]
+    with pytest.raises(ConfigError, match=r"sweep\.claims\.0\.gate\.partition.*exclude leaves the baseline"):
         expand(body)
 
 

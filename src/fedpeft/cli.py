@@ -182,6 +182,11 @@ def cmd_sweep(args: argparse.Namespace, console: Console) -> int:
     if args.device is not None:
         _check_device(args.device)
     if args.rejudge:
+        unused = [flag for flag, value in (("--only", args.only), ("--workers", args.workers != 1),
+                                           ("--device", args.device), ("--data-dir", args.data_dir),
+                                           ("--allow-fewer-runs", args.allow_fewer_runs)) if value]
+        if unused:
+            raise ConfigError("--rejudge", f"runs nothing, so {', '.join(unused)} would do nothing")
         sweep = load_sweep(Path(args.sweep))
         if not sweep.is_benchmark:
             raise ConfigError("--rejudge", f"{args.sweep} is not a benchmark (no results_dir:): it has no claims")

@@ -120,11 +120,11 @@ class ClaimSpec(_Strict):
     baseline: str | None = None  # its centralised ceiling gates the verdict
     # {task: ..., partition: ...}; default every cell, less those where `exclude` leaves out a method it reads
     where: dict[str, str] = Field(default_factory=dict)
-    # {task: ..., partition: ...}: the cell whose baseline run must reach 90% of its ceiling, in place of the
-    # cells the check reads (keys left out: the judged cell's). For a claim about what a harder cell does to
-    # the methods (severe heterogeneity): there the baseline may fall short of its ceiling because of the
-    # heterogeneity the claim is about, so the budget is shown to be one at which it learns in the easy cell
-    gate: dict[Literal["task", "partition"], str] = Field(default_factory=dict)
+    # {partition: P}: the partition (of the judged task) where the baseline must reach 90% of its ceiling, in
+    # place of every cell the check reads. For a claim about what a harder cell does to the methods (severe
+    # heterogeneity): there the baseline may fall short of its ceiling because of the heterogeneity the claim
+    # is about, so the budget is shown to be one at which it learns in the easy cell
+    gate: dict[Literal["partition"], str] = Field(default_factory=dict)
 
 
 class SweepFile(_Strict):
@@ -369,10 +369,17 @@ def _check_names(spec: SweepFile) -> None:
         if claim.gate and claim.baseline is None:
             raise ConfigError(f"sweep.claims.{index}.gate", "a gate cell needs the claim's baseline, whose run "
                               "there it reads")
-        for key, name in claim.gate.items():
-            if name not in dimensions[key]:
-                raise ConfigError(f"sweep.claims.{index}.gate.{key}", f"{name!r} is not one of the sweep's {key}s "
-                                  f"({', '.join(sorted(dimensions[key])) or 'none'})")
+        if "partition" in claim.gate:
+            gate_partition = claim.gate["partition"]
+            if gate_partition not in dimensions["partition"]:
+                raise ConfigError(f"sweep.claims.{index}.gate.partition", f"{gate_partition!r} is not one of the "
+                                  f"sweep's partitions ({', '.join(sorted(dimensions['partition'])) or 'none'})")
+            seeds = [str(seed) for seed in spec.seeds] or ["None"]
+            for task in spec.tasks or [""]:
+                cell = {"task": task, "method": claim.baseline, "partition": gate_partition}
+                if all(any(_selected({**cell, "seed": seed}, entry) for entry in _exclusions(spec)) for seed in seeds):
+                    raise ConfigError(f"sweep.claims.{index}.gate.partition", f"exclude leaves the baseline "
+                                      f"{claim.baseline!r} out of {gate_partition!r}, so the gate could never pass")
         cells = itertools.product(spec.tasks or [claim.where.get("task", "")],
                                   spec.partitions or [claim.where.get("partition", "")])
         if spec.exclude and not any(judged_in(spec, claim, task, partition) for task, partition in cells):

@@ -8,6 +8,7 @@ holds the centralised runs, ``claims`` each claim's verdict per cell (:mod:`fedp
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
 import statistics
@@ -122,17 +123,15 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
 
             # the baseline must have learned in every cell the check reads, not only the one judged (or, with
             # the claim's `gate`, in that cell)
-            read = ([(claim.gate.get("task", task), claim.gate.get("partition", partition))] if claim.gate else
-                    list(dict.fromkeys([(task, partition),
-                                        *(where(m, s)[:2] for m, s, _ in references(claim.check))])))
+            read = list(dict.fromkeys([(task, partition),
+                                       *(where(m, s)[:2] for m, s, _ in references(claim.check))]))
+            gate_cell = (task, claim.gate["partition"]) if claim.gate else None
 
-            judgement = _gate_cells(judge(claim.check, lookup), claim.baseline, read, (task, partition), index,
-                                    ceilings, bool(claim.gate))
+            judgement = _gate_cells(judge(claim.check, lookup), claim.baseline, read, index, ceilings, gate_cell)
             paired = judge_paired(claim.check, _seed_lookups(claim.check, seeds_of, where, ceilings))
             gap = paired.why if paired is not None else ""
             if paired is not None:
-                paired = _gate_cells(paired, claim.baseline, read, (task, partition), index, ceilings,
-                                     bool(claim.gate))
+                paired = _gate_cells(paired, claim.baseline, read, index, ceilings, gate_cell)
             judged.append({"task": task, "partition": partition, "verdict": judgement.verdict,
                            "values": judgement.values, "why": judgement.why,
                            "paired": None if paired is None else {"verdict": paired.verdict, "why": paired.why,
@@ -143,27 +142,32 @@ def judge_claims(sweep: Sweep, summary: Sequence[dict[str, Any]], ceilings: Sequ
 
 
 def _gate_cells(judgement: Judgement, baseline: str | None, cells: Sequence[tuple[str, str]],
-                judged: tuple[str, str], index: Mapping[tuple[str, str, str], dict[str, Any]],
-                ceilings: Sequence[dict[str, Any]], gate_cell: bool = False) -> Judgement:
-    """:func:`fedpeft.claims.gate` over each cell a check reads (the judged one first), or the claim's gate
-    cell (``gate_cell``): not reached where the baseline ended below 90% of its ceiling in any of them (two
-    methods both at the majority class in one cell "lose the same" from another, which says nothing). A
-    verdict gated by a claim's gate cell says so, with the baseline's value there."""
-    for task, partition in cells:
+                index: Mapping[tuple[str, str, str], dict[str, Any]], ceilings: Sequence[dict[str, Any]],
+                gate_cell: tuple[str, str] | None = None) -> Judgement:
+    """:func:`fedpeft.claims.gate` over each cell a check reads (``cells``, the judged one first): not reached
+    where the baseline ended below 90% of its ceiling in any of them (two methods both at the majority class
+    in one cell "lose the same" from another, which says nothing). With the claim's ``gate_cell``, over that
+    cell alone; the verdict then says so, with the baseline's value there and in each cell the check reads
+    where it ended below 90% of its ceiling (the reader sees what the gate let through)."""
+    judged = cells[0]
+    for task, partition in [gate_cell] if gate_cell else cells:
         row = index.get((task, partition, baseline)) if baseline else None
         out = gate(judgement, baseline, row["final_metric"] if row else None, ceiling_of(ceilings, task),
                    f"{task}/{partition}" if (task, partition) != judged else "")
         if out is not judgement:
             return out
-    if baseline and gate_cell and judgement.verdict != NOT_REACHED:
-        task, partition = cells[0]
-        ceiling, row = ceiling_of(ceilings, task), index.get((task, partition, baseline))
-        if ceiling is not None and row is not None:
-            note = (f"gated in {task}/{partition}: {baseline} ended at {row['final_metric']:.3f} there, at least 90% "
-                    f"of its centralised ceiling {ceiling:.3f}")
-            return Judgement(judgement.verdict, judgement.values, f"{judgement.why}; {note}" if judgement.why
-                             else note)
-    return judgement
+    if baseline is None or gate_cell is None or judgement.verdict == NOT_REACHED:
+        return judgement
+    ceiling, row = ceiling_of(ceilings, gate_cell[0]), index.get((*gate_cell, baseline))
+    if ceiling is None or row is None:
+        return judgement
+    note = (f"gated in {'/'.join(gate_cell)}: {baseline} ended at {row['final_metric']:.3f} there, at least 90% of "
+            f"its centralised ceiling {ceiling:.3f}")
+    below = [f"{index[(*cell, baseline)]['final_metric']:.3f} in {'/'.join(cell)}" for cell in cells
+             if (*cell, baseline) in index and index[(*cell, baseline)]["final_metric"] < CEILING_FRACTION * ceiling]
+    if below:
+        note += f"; below it where the check reads: {', '.join(below)}"
+    return Judgement(judgement.verdict, judgement.values, f"{judgement.why}; {note}" if judgement.why else note)
 
 
 def _ceiling_row(ceilings: Sequence[dict[str, Any]], task: str) -> dict[str, Any]:
@@ -345,8 +349,9 @@ def write_results(sweep: Sweep, command: str, allow_fewer: bool = False) -> dict
 def rejudge_results(sweep: Sweep) -> dict[str, Path]:
     """The committed ``NAME.json``'s claims judged again under the sweep file's claims, and its description
     and notes taken again, from the results file alone (its summary, ceilings and per-seed rows): claims
-    edited after the runs and their folders are gone. Nothing else in the file changes; ``NAME.md`` is
-    rendered from it again with the figures beside it."""
+    edited after the runs and their folders are gone. Nothing else in the file changes but ``rejudged``
+    (the date, which the markdown states under the command); ``NAME.md`` is rendered from it again with the
+    figures beside it (the README tables follow with ``benchmarks/suite.py``)."""
     name = sweep.spec.name or "benchmark"
     path = sweep.results_dir() / f"{name}.json"
     if not path.exists():
@@ -354,7 +359,8 @@ def rejudge_results(sweep: Sweep) -> dict[str, Path]:
                                        "benchmark)")
     data = json.loads(path.read_text())
     data.update(description=sweep.spec.description, notes=sweep.spec.notes,
-                claims=judge_claims(sweep, data["summary"], data["ceilings"], data["rows"]))
+                claims=judge_claims(sweep, data["summary"], data["ceilings"], data["rows"]),
+                rejudged=datetime.date.today().isoformat())
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     markdown_path = path.with_suffix(".md")
     markdown_path.write_text(markdown_from_file(path, data))
@@ -387,6 +393,9 @@ def _grid(tune: dict[str, Any], method: str) -> str:
 def markdown(data: dict[str, Any], figures: Sequence[Path]) -> str:
     lines = [f"<!-- command: {data['command']} -->", f"# Benchmark `{data['benchmark']}`", "",
              f"Command: `{data['command']}`  ", f"Machine: {data['machine']}  "]
+    if data.get("rejudged"):
+        lines.append(f"Claims judged again on {data['rejudged']} from this file alone, under the sweep file's claims "
+                     f"as they read then (`fedpeft sweep ... --rejudge`; the runs are the command's)  ")
     if data.get("computed_on"):
         lines.append("Runs computed on: " + "; ".join(f"{where} ({n} run{'s' * (n != 1)})"
                                                       for where, n in data["computed_on"].items()))
