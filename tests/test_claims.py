@@ -221,6 +221,22 @@ def test_a_claims_gate_cell_replaces_the_cells_it_reads() -> None:
     assert cell["verdict"] == NOT_REACHED and cell["paired"]["verdict"] == NOT_REACHED
     assert "baseline lora ended at 0.700 in qqp/iid, below 90% of its centralised ceiling 0.800" in cell["why"]
     assert judged(gated, severe)[0]["verdict"] == NOT_REACHED  # no iid run of the baseline yet
+    # where the results know the eval split's majority class (0.623 over 1,000 pairs: 0.653 with its noise),
+    # the baseline must still beat it where the check reads: a gate does not judge two collapsed models
+    def knows(r: dict) -> dict:
+        return {**r, "majority_rate": 0.623, "eval_examples": 1000}
+
+    collapsed = [row("iid", "lora", 0.78), knows(row("severe", "lora", 0.65)), row("severe", "fedtt_plus", 0.71)]
+    cell = judged(gated, collapsed)[0]
+    assert cell["verdict"] == NOT_REACHED
+    assert ("baseline lora ended at 0.650 in qqp/severe, no higher than always answering the majority class "
+            "(0.653 with its noise) (the check alone says: confirmed") in cell["why"]
+    assert judged(gated, [row("iid", "lora", 0.78), knows(severe[0]), severe[1]])[0]["verdict"] == CONFIRMED
+    from fedpeft.metrics.compare import aggregate_seeds
+
+    seeds = [{**knows(row("severe", "lora", f, seed)), "metric": "accuracy", "run": f"lora_seed{seed}"}
+             for seed, f in enumerate((0.66, 0.70))]
+    assert aggregate_seeds(seeds)[0]["majority_rate"] == 0.623  # one eval split: carried, not averaged
     # judged in the gate cell itself, reading the severe cell too (a drop from iid to severe)
     drop = ClaimSpec(id="d", claim="x", baseline="lora", where={"partition": "iid"}, gate={"partition": "iid"},
                      check='fedtt_plus["iid"].final - fedtt_plus["severe"].final'

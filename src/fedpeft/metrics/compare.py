@@ -182,6 +182,7 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
         "client_flops_per_round": next((r["method"]["client_flops_per_round"] for r in reversed(run.records)
                                         if "client_flops_per_round" in r.get("method", {})), None),
         "wall_seconds": last.get("cum_wall_seconds", sum(r["time"]["round"] for r in trained)),
+        "majority_rate": _majority_rate(run, metric),
     }
     for key, value in (("best_metric", best), ("final_metric", final)):
         if value is not None:
@@ -189,6 +190,15 @@ def run_row(run: Run, target: float | None, bandwidth: Bandwidth | None = None) 
             row[f"{key}_ci"] = [interval.low, interval.high]
             row["interval"] = interval.kind
     return row
+
+
+def _majority_rate(run: Run, metric: str) -> float | None:
+    """The eval split's most frequent class's share (the run's summary), for accuracy only: what a model
+    that learned nothing scores (a claim's ``gate`` needs the baseline above it where the check reads)."""
+    path = run.path / "summary.json"
+    if metric != "accuracy" or not path.exists():
+        return None
+    return json.loads(path.read_text()).get("majority_rate")
 
 
 def _partition_label(partition: dict[str, Any]) -> str:
@@ -241,7 +251,7 @@ def aggregate_seeds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 interval = estimate(values, None, fraction=False)
             merged[f"{key}_ci"] = [interval.low, interval.high]
-        for key in ("trainable_params", "target", "rounds", "clients", "clients_per_round"):
+        for key in ("trainable_params", "target", "rounds", "clients", "clients_per_round", "majority_rate"):
             merged[key] = members[0].get(key)
         out.append(merged)
     return out

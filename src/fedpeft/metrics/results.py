@@ -41,7 +41,7 @@ from fedpeft.claims import (
 from fedpeft.config import ConfigError
 from fedpeft.metrics.compare import Bandwidth, Run, aggregate_seeds, load_run, mark_noise, run_row
 from fedpeft.metrics.report import band, bytes_axis, flatten, metric_cell
-from fedpeft.metrics.summary import human_bytes
+from fedpeft.metrics.summary import human_bytes, majority_level
 from fedpeft.records import stale_runs, write_records
 from fedpeft.sweep import Sweep, SweepRun, judged_in
 
@@ -49,7 +49,7 @@ SPEC_FIELDS = ("task", "partition", "method", "recipe", "seed", "rounds", "clien
                "eval_examples", "best_metric", "final_metric", "start_metric", "trainable_params",
                "uplink_bytes_per_client_round", "downlink_bytes_per_client_round", "total_bytes", "target",
                "rounds_to_target", "bytes_to_target", "simulated_seconds_to_target", "wall_seconds",
-               "client_flops_per_step",
+               "client_flops_per_step", "majority_rate",
                # beyond the SPEC's list: what claims read seed by seed, so a verdict can be re-judged from the
                # file alone, and where each run computed (a benchmark's runs may span devices)
                "client_flops_per_round", "last_uplink_bytes_per_client", "seconds_to_target",
@@ -147,8 +147,10 @@ def _gate_cells(judgement: Judgement, baseline: str | None, cells: Sequence[tupl
     """:func:`fedpeft.claims.gate` over each cell a check reads (``cells``, the judged one first): not reached
     where the baseline ended below 90% of its ceiling in any of them (two methods both at the majority class
     in one cell "lose the same" from another, which says nothing). With the claim's ``gate_cell``, over that
-    cell alone; the verdict then says so, with the baseline's value there and in each cell the check reads
-    where it ended below 90% of its ceiling (the reader sees what the gate let through)."""
+    cell alone, and in the cells the check reads the baseline must still beat always answering the eval
+    split's majority class (with its noise; where the results know that share: accuracy rows that carry
+    ``majority_rate``); the verdict then says so, with the baseline's value in the gate cell and in each
+    cell the check reads where it ended below 90% of its ceiling (the reader sees what the gate let through)."""
     judged = cells[0]
     for task, partition in [gate_cell] if gate_cell else cells:
         row = index.get((task, partition, baseline)) if baseline else None
@@ -158,6 +160,16 @@ def _gate_cells(judgement: Judgement, baseline: str | None, cells: Sequence[tupl
             return out
     if baseline is None or gate_cell is None or judgement.verdict == NOT_REACHED:
         return judgement
+    for cell in cells:
+        row = index.get((*cell, baseline)) or {}
+        if row.get("majority_rate") is not None and row.get("eval_examples"):
+            level = majority_level(row["majority_rate"], row["eval_examples"])
+            if row["final_metric"] <= level:
+                alone = f"{judgement.verdict}{'; ' + judgement.why if judgement.why else ''}"
+                return Judgement(NOT_REACHED, judgement.values,
+                                 f"baseline {baseline} ended at {row['final_metric']:.3f} in {'/'.join(cell)}, no "
+                                 f"higher than always answering the majority class ({level:.3f} with its noise) "
+                                 f"(the check alone says: {alone})")
     ceiling, row = ceiling_of(ceilings, gate_cell[0]), index.get((*gate_cell, baseline))
     if ceiling is None or row is None:
         return judgement
