@@ -285,7 +285,7 @@ def test_supernode_killed_mid_round_with_sparse_flasc(deployment: LocalDeploymen
                           strategy={"name": "fedadamw", "server_lr": 0.05, "selection": "all",
                                     "clients_per_round": None, "min_clients": 1, "down_density": 0.25,
                                     "up_density": 0.125},
-                          engine={"kind": "flower", "round_timeout": 120})
+                          engine={"kind": "flower", "round_timeout": 75})
     app = write_app(build_config(raw), tmp_path / "app", tmp_path / "flower")
     metrics = tmp_path / "flower" / "metrics.jsonl"
     with (tmp_path / "flwr-run.log").open("wb") as log:
