@@ -36,14 +36,16 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from opacus.accountants import IAccountant
-from opacus.grad_sample.grad_sample_module import GradSampleHooks
-from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from fedpeft.seeding import derive_seed
+
+if TYPE_CHECKING:  # Opacus is imported where DP runs: every other run starts without it
+    from opacus.accountants import IAccountant
+    from opacus.optimizers import DPOptimizer
 
 
 @dataclass
@@ -83,6 +85,9 @@ def private_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, privac
     client's accountant, runs ``post_process`` on the noisy gradient, then steps ``optimizer``.
     The hooks and per-sample buffers are removed on exit, so the shared model is left as it was.
     """
+    from opacus.grad_sample.grad_sample_module import GradSampleHooks
+    from opacus.optimizers import DPOptimizer
+
     hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
     account = privacy.accountant.get_optimizer_hook_fn(sample_rate=privacy.sample_rate)
 
@@ -138,6 +143,8 @@ def per_sample_gradient_problems(model: nn.Module, batch: dict[str, torch.Tensor
     ordinary batch gradient (the loss is a mean over examples). RNG state and gradients are left
     as they were.
     """
+    from opacus.grad_sample.grad_sample_module import GradSampleHooks
+
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     was_training = model.training
     problems: dict[str, str] = {}

@@ -19,16 +19,17 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
 
 from fedpeft.config import ClientConfig, ConfigError, DPConfig
 from fedpeft.federated.client import local_steps
 from fedpeft.federated.dp_sgd import ClientPrivacy
 from fedpeft.federated.types import State
+
+if TYPE_CHECKING:  # Opacus is imported where an accountant is needed: runs without DP start without it
+    from opacus.accountants import IAccountant
 
 Accountant = Literal["rdp", "prv"]
 # Opacus's default RDP orders (1.1 .. 63), extended to 1024: with the large noise multipliers of
@@ -47,7 +48,7 @@ def dp_epsilon(noise_multiplier: float, sample_rate: float, rounds: int, delta: 
         return 0.0
     if noise_multiplier <= 0:
         return float("inf")
-    acct = RDPAccountant() if accountant == "rdp" else PRVAccountant()
+    acct = make_accountant(accountant)
     for _ in range(rounds):  # the accountant merges identical consecutive steps, so this is cheap
         acct.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
     if accountant == "prv":
@@ -73,11 +74,15 @@ def dp_fedadam_epsilon(noise_multiplier: float, cohort: int, population: int, ro
 
 
 def make_accountant(accountant: Accountant) -> IAccountant:
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
     return RDPAccountant() if accountant == "rdp" else PRVAccountant()
 
 
 def accountant_epsilon(acct: IAccountant, delta: float) -> float:
     """Epsilon spent so far by ``acct`` at ``delta`` (0 before its first step)."""
+    from opacus.accountants import RDPAccountant
+
     if not acct.history:
         return 0.0
     if isinstance(acct, RDPAccountant):
@@ -89,6 +94,8 @@ def noise_multiplier_for(epsilon: float, delta: float, sample_rate: float, steps
                          accountant: Accountant = "rdp") -> float:
     """The smallest sigma (to Opacus's 0.01 tolerance on epsilon, from above) for which ``steps``
     subsampled Gaussian steps at ``sample_rate`` spend at most ``epsilon`` at ``delta``."""
+    from opacus.accountants.utils import get_noise_multiplier
+
     extra: dict[str, Any] = {"alphas": RDP_ORDERS} if accountant == "rdp" else {}
     with warnings.catch_warnings():  # the search probes huge sigmas whose best RDP order is the largest
         warnings.simplefilter("ignore")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rouge_score import rouge_scorer
-
 ROUGE_METRICS: tuple[str, ...] = ("rouge1", "rouge2", "rougeL")
 
 
@@ -26,6 +24,8 @@ def rouge_scores(predictions: Sequence[str], references: Sequence[Sequence[str]]
         raise ValueError(f"{len(predictions)} predictions but {len(references)} reference lists")
     if not predictions:
         raise ValueError("cannot compute ROUGE on zero examples")
+    from rouge_score import rouge_scorer  # with nltk, half a second of start-up that only generation needs
+
     scorer = rouge_scorer.RougeScorer(list(names), use_stemmer=use_stemmer)
     totals = dict.fromkeys(names, 0.0)
     for index, (prediction, refs) in enumerate(zip(predictions, references, strict=True)):
