@@ -51,9 +51,7 @@ def dp_epsilon(noise_multiplier: float, sample_rate: float, rounds: int, delta: 
     acct = make_accountant(accountant)
     for _ in range(rounds):  # the accountant merges identical consecutive steps, so this is cheap
         acct.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-    if accountant == "prv":
-        return float(acct.get_epsilon(delta=delta))
-    return float(acct.get_epsilon(delta=delta, alphas=RDP_ORDERS))
+    return accountant_epsilon(acct, delta)
 
 
 def simulated_noise_multiplier(noise_multiplier: float, cohort: int, simulated_cohort: int | None) -> float:
