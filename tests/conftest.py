@@ -16,7 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-torch.set_num_threads(2)
+# the machine's 2 cores, shared among pytest-xdist's workers (`make test` runs two)
+torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
