@@ -34,12 +34,12 @@ README = ROOT / "README.md"
 RESULTS_README = RESULTS / "README.md"
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 ORDER = ("defaults", "defaults_tuned", "no_pooler", "no_pooler_tuned", "no_pooler_tuned_baselines", "federa",
-         "federa_participation", "federa_adjusted", "federa_20ng", "federa_qqp", "federa_ner_qa", "flasc", "fedtt",
-         "headprune", "fedpeptao")
+         "federa_participation", "federa_adjusted", "federa_20ng", "federa_qqp", "federa_wnut_iid", "federa_ner_qa",
+         "flasc", "fedtt", "headprune", "fedpeptao")
 # the README lists the papers' claims first, then the project's own (defaults that learn, ablations)
-PAPERS = ("federa", "federa_participation", "federa_adjusted", "federa_20ng", "federa_qqp", "federa_ner_qa", "flasc",
-          "fedtt", "fedtt_minilm", "fedtt_minilm_qqp", "fedtt_minilm_qqp_severe", "headprune", "headprune_20ng",
-          "headprune_mnli", "fedpeptao")
+PAPERS = ("federa", "federa_participation", "federa_adjusted", "federa_20ng", "federa_qqp", "federa_wnut_iid",
+          "federa_ner_qa", "flasc", "fedtt", "fedtt_minilm", "fedtt_minilm_qqp", "fedtt_minilm_qqp_severe",
+          "headprune", "headprune_20ng", "headprune_mnli", "fedpeptao")
 
 
 def benchmarks() -> list[dict[str, Any]]:
